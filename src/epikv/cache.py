@@ -1,0 +1,318 @@
+"""The evicting KV cache: preallocated per-layer storage, per-token policy data, and the eviction schedule.
+
+It is the only place where eviction happens, for the engine's loop and for `model.generate` alike: forward hooks
+capture what the policy observes (hidden states of a few blocks, attention weights only for attention-based
+policies), and a hook after the decoder stack scores, selects and compacts. Stored length (what attention reads)
+is kept apart from tokens seen (true RoPE positions), as in transformers' cache layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .errors import EpiKVError
+from .policies import CacheView, Policy, StepObservation, get_policy, select_keep
+
+
+class BufferLayer(DynamicLayer):
+    """One layer's keys and values in [batch, kv_heads, capacity, head_dim] buffers, `length` slots in use.
+
+    `update` writes the new tokens in place and returns views of the used slots, so a decode step copies only the
+    new token (DynamicLayer concatenates, copying the whole cache every step). Capacity grows geometrically when
+    needed and shrinks back after an eviction that leaves it mostly empty, so evicted memory is really freed.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        super().__init__()
+        self.capacity_hint = max(1, capacity)
+        self.length = 0
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+        self._allocate(max(self.capacity_hint, key_states.shape[-2]), key_states, value_states)
+
+    def _allocate(self, capacity: int, k_like: torch.Tensor, v_like: torch.Tensor) -> None:
+        b, h, _, dk = k_like.shape
+        kbuf = k_like.new_empty(b, h, capacity, dk)
+        vbuf = v_like.new_empty(b, h, capacity, v_like.shape[-1])
+        if self.length:
+            kbuf[:, :, : self.length].copy_(self._kbuf[:, :, : self.length])
+            vbuf[:, :, : self.length].copy_(self._vbuf[:, :, : self.length])
+        self._kbuf, self._vbuf = kbuf, vbuf
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        self.keys = self._kbuf[:, :, : self.length]  # [batch, kv_heads, length, head_dim]
+        self.values = self._vbuf[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._kbuf is None else self._kbuf.shape[2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[-2]
+        need = self.length + t
+        if need > self.capacity:
+            self._allocate(max(need, 2 * self.capacity), key_states, value_states)
+        self._kbuf[:, :, self.length : need].copy_(key_states)
+        self._vbuf[:, :, self.length : need].copy_(value_states)
+        self.length = need
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def compact(self, keep: torch.Tensor, target_capacity: int) -> None:
+        """Keep the slots `keep` ([batch, K] for every head, or [batch, kv_heads, K]) in this order."""
+        if keep.dim() == 2:
+            keep = keep.unsqueeze(1)  # [batch, 1, K]
+        b, h, _, dk = self._kbuf.shape
+        k_new = keep.shape[-1]
+        idx_k = keep.unsqueeze(-1).expand(b, h, k_new, dk)
+        idx_v = keep.unsqueeze(-1).expand(b, h, k_new, self._vbuf.shape[-1])
+        kept_k = self.keys.gather(2, idx_k)
+        kept_v = self.values.gather(2, idx_v)
+        if self.capacity > 2 * target_capacity:  # release memory the budget no longer needs
+            self._kbuf = kept_k.new_empty(b, h, target_capacity, dk)
+            self._vbuf = kept_v.new_empty(b, h, target_capacity, self._vbuf.shape[-1])
+        self._kbuf[:, :, :k_new].copy_(kept_k)
+        self._vbuf[:, :, :k_new].copy_(kept_v)
+        self.length = k_new
+        self._refresh_views()
+
+    def reset(self) -> None:
+        self.length = 0
+        self._kbuf = self._vbuf = None
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise EpiKVError("an evicting cache cannot be cropped (assisted or speculative decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise EpiKVError("beam search and num_return_sequences > 1 are not supported with an evicting cache")
+
+    batch_select_indices = reorder_cache = batch_repeat_interleave
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder blocks of a causal LM (model.model.layers for Llama, Qwen2/3, Mistral ...)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise EpiKVError(f"{type(model).__name__} has no decoder layers at model.model.layers: not a supported causal LM")
+    return layers
+
+
+def cache_kwarg(model) -> str:
+    """transformers 5.x calls it `cache`; older versions `past_key_values`."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_from(kwargs: dict) -> Any:
+    c = kwargs.get("cache")
+    return c if c is not None else kwargs.get("past_key_values")
+
+
+def _hidden_hook(layer_idx: int):
+    def hook(module, args, kwargs, output):
+        cache = _cache_from(kwargs)
+        if isinstance(cache, EpiKVCache) and layer_idx in cache._capture_hidden:
+            cache._hidden[layer_idx] = output[0] if isinstance(output, tuple) else output
+
+    return hook
+
+
+def _attention_hook(layer_idx: int):
+    def hook(module, args, kwargs, output):
+        cache = _cache_from(kwargs)
+        if isinstance(cache, EpiKVCache) and layer_idx in cache._capture_attn:
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if weights is None:
+                raise EpiKVError(f"{cache.policy.name} needs attention weights, but layer {layer_idx} returned none: "
+                                 "it needs eager attention")
+            cache._attn[layer_idx] = weights
+
+    return hook
+
+
+def _after_stack_hook(module, args, kwargs, output):
+    cache = _cache_from(kwargs)
+    if isinstance(cache, EpiKVCache):
+        cache._after_forward(kwargs.get("position_ids"))
+
+
+def _install_hook(module: torch.nn.Module, key: str, hook) -> None:
+    """One hook per module and purpose, installed once; it finds the active cache in the call's kwargs, so hooks
+    hold no reference to any cache and stay inert for other caches or plain calls."""
+    handles = module.__dict__.setdefault("_epikv_hooks", {})
+    if key not in handles:
+        handles[key] = module.register_forward_hook(hook, with_kwargs=True)
+
+
+class EpiKVCache(Cache):
+    """A KV cache that keeps at most `budget` tokens per sequence by evicting with a policy.
+
+    Drop-in for `model.generate(..., past_key_values=EpiKVCache(model, policy="epikv", budget=1024))` (batch 1 or
+    unpadded batches), and the cache behind `epikv.generate`, which also handles left-padded batches.
+    Between two steps the cache holds at most budget + tau - 1 tokens, exactly budget after each eviction.
+    """
+
+    def __init__(self, model, policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+                 **policy_settings) -> None:
+        self.policy = get_policy(policy, tau=tau, **policy_settings)
+        layers = decoder_layers(model)
+        self.n_layers = len(layers)
+        text_cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        if any(t != "full_attention" for t in (getattr(text_cfg, "layer_types", None) or [])):
+            raise EpiKVError("models with sliding-window or linear-attention layers are not supported yet")
+        if self.policy.evicts:
+            if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise EpiKVError(f"budget must be a positive integer, got {budget!r}")
+        self.budget = budget if self.policy.evicts else None
+        self.tau = self.policy.tau
+        self.recent = self.policy.recent_window(budget) if self.policy.evicts else 0
+        obs = self.policy.observes(self.n_layers)
+        from .signals import check_layers
+
+        check_layers(obs.hidden_layers, self.n_layers)
+        check_layers(obs.attention_layers, self.n_layers)
+        if obs.attention_layers and getattr(model.config, "_attn_implementation", "eager") != "eager":
+            raise EpiKVError(f"policy {self.policy.name} reads attention weights and needs eager attention "
+                             f"(the model uses {model.config._attn_implementation})")
+        self._capture_hidden = frozenset(obs.hidden_layers)
+        self._capture_attn = frozenset(obs.attention_layers)
+        self._needs_kv = obs.keys_values
+        cap = (self.budget + self.tau) if self.budget else 256
+        super().__init__(layers=[BufferLayer(cap) for _ in range(self.n_layers)])
+        self.home = model.get_input_embeddings().weight.device
+        for l in obs.hidden_layers:
+            _install_hook(layers[l], "hidden", _hidden_hook(l))
+        for l in obs.attention_layers:
+            _install_hook(layers[l].self_attn, "attention", _attention_hook(l))
+        _install_hook(model.model, "after", _after_stack_hook)
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._attn: dict[int, torch.Tensor] = {}
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.state: Any = None
+        self.token_data: dict[str, torch.Tensor] = {}
+        self.n_pad = self.n_protect = self.seen = None
+        self.evictions = 0
+        self.max_tokens = 0
+
+    # -- sequence set-up ---------------------------------------------------------------------------------------------
+    def begin(self, prompt_lens: list[int], n_pad: list[int] | None = None) -> None:
+        """Declare the batch: real prompt tokens per row and left padding. Checks the budget against what is
+        protected."""
+        n_pad = n_pad or [0] * len(prompt_lens)
+        if min(prompt_lens) < 1:
+            raise EpiKVError("empty prompt: at least one token is needed")
+        prot = [p if self.policy.protect_prompt else min(self.policy.n_sink, p) for p in prompt_lens]
+        if self.budget is not None and max(prot) + self.recent > self.budget:
+            what = "prompt" if self.policy.protect_prompt else "sink tokens"
+            raise EpiKVError(f"budget {self.budget} is smaller than what is protected: {max(prot)} {what} + "
+                             f"{self.recent} recent tokens; raise the budget or shorten the prompt")
+        self.n_pad = torch.tensor(n_pad, device=self.home)
+        self.n_protect = torch.tensor(prot, device=self.home)
+        self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
+        self.state = self.policy.init_state(len(prompt_lens), self.n_layers, self.home)
+
+    def prepare(self, valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Attention mask and true position ids for the next forward of T tokens (valid: [batch, T] bool).
+
+        The 2D mask covers stored + new tokens; padding stays a prefix of every row, so it is derived from n_pad.
+        Returns (mask or None when no row has padding, position_ids [batch, T])."""
+        valid = valid.to(self.home)
+        pos = self.seen[:, None] + valid.long().cumsum(-1) - 1
+        pos = pos.clamp(min=0)
+        self._pending = (valid, pos)
+        if not self._has_padding(valid):
+            return None, pos
+        n = self.get_seq_length()
+        stored = torch.arange(n, device=self.home)[None, :] >= self.n_pad[:, None]
+        return torch.cat([stored, valid], dim=1).long(), pos
+
+    def _has_padding(self, valid: torch.Tensor) -> bool:
+        # host-side flag set once from the prompt layout, so no device sync per step
+        if not hasattr(self, "_padded"):
+            self._padded = bool((~valid).any())
+        return self._padded
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+    def _after_forward(self, position_ids: torch.Tensor | None) -> None:
+        t = self.layers[0].length - self._length_before_step()
+        if self._pending is not None:
+            valid, pos = self._pending
+            self._pending = None
+        else:  # model.generate: every token real, positions as generate passed them
+            if self.n_pad is None:
+                self.begin([t])
+            valid = torch.ones(self.n_pad.shape[0], t, dtype=torch.bool, device=self.home)
+            pos = position_ids.to(self.home) if position_ids is not None else self.seen[:, None] + torch.arange(t, device=self.home)
+            pos = pos.expand(valid.shape[0], -1)
+        obs = StepObservation(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos)
+        new = self.policy.on_tokens(self.state, obs)
+        new["pos"] = pos  # true position of every stored token, kept aligned through evictions
+        for key, x in new.items():
+            x = x.to(self.home)
+            self.token_data[key] = torch.cat([self.token_data[key], x], dim=-1) if key in self.token_data else x
+        self._hidden, self._attn = {}, {}
+        self.seen += valid.sum(-1)
+        if self.policy.evicts and self.layers[0].length > self.budget + self.tau - 1:
+            self.evict()
+        self._stored_after_step = self.layers[0].length
+        self.max_tokens = max(self.max_tokens, self._stored_after_step)
+
+    def _length_before_step(self) -> int:
+        return getattr(self, "_stored_after_step", 0)
+
+    def view(self) -> CacheView:
+        return CacheView(
+            length=self.layers[0].length, budget=self.budget, token_data=self.token_data, n_pad=self.n_pad,
+            n_protect=self.n_protect, recent=self.recent,
+            keys=[l.keys for l in self.layers] if self._needs_kv else [],
+            values=[l.values for l in self.layers] if self._needs_kv else [], device=self.home,
+        )
+
+    def evict(self) -> torch.Tensor:
+        """Cut every sequence back to exactly `budget` stored tokens. Returns the keep indices."""
+        view = self.view()
+        keep = select_keep(self.policy.scores(self.state, view), view)  # [batch, K] or [batch, layers, heads, K]
+        per_head = keep.dim() == 4
+        on_dev: dict[torch.device, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            dev = layer.device
+            if dev not in on_dev:
+                on_dev[dev] = keep.to(dev, non_blocking=True)
+            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self.budget + self.tau)
+        first = keep[:, 0, 0] if per_head else keep  # [batch, K]
+        for key, x in self.token_data.items():
+            # per-token data [batch, n] follows layer 0 / head 0 under per-head keeps; [batch, layers, heads, n]
+            # data follows its own head
+            idx = keep if keep.dim() <= x.dim() else first
+            while idx.dim() < x.dim():  # token keep [batch, K] against [batch, ..., n] data
+                idx = idx.unsqueeze(1)
+            self.token_data[key] = x.gather(-1, idx.expand(*x.shape[:-1], idx.shape[-1]))
+        self.n_pad = (first < self.n_pad[:, None]).sum(-1)  # padding stays a prefix
+        self.evictions += 1
+        return keep
+
+    # -- Cache API ---------------------------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def stats(self) -> dict[str, Any]:
+        return {"max_cache_tokens": self.max_tokens, "final_cache_tokens": self.layers[0].length,
+                "evictions": self.evictions}

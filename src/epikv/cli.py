@@ -1,0 +1,54 @@
+"""The `epikv` command line. Each subcommand lives in epikv/commands/<name>.py with `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .errors import EpiKVError
+
+# Subcommand modules, in the order `epikv --help` lists them.
+COMMANDS = ["generate", "policies", "trace"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (no usage dump) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="epikv", description="Attention-free KV cache eviction for long reasoning traces (EPIKV).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    for name in COMMANDS:
+        importlib.import_module(f".commands.{name}", __package__).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except EpiKVError as e:
+        print(f"epikv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"epikv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, RuntimeError, ValueError) as e:  # e.g. out of memory, unreadable file
+        if os.environ.get("EPIKV_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"epikv {args.command}: error: {type(e).__name__}: {msg} (set EPIKV_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

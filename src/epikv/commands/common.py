@@ -1,0 +1,160 @@
+"""Argument types and option groups shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import EpiKVError
+from ..models import DEFAULT_MODEL
+from ..policies import policy_names
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def int_list(text: str) -> list[int]:
+    """'512,1024' -> [512, 1024] (positive integers)."""
+    return [positive_int(x.strip()) for x in text.split(",") if x.strip()] or _bad(text)
+
+
+def name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()] or _bad(text)
+
+
+def _bad(text):
+    raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """'10,21' -> (10, 21)."""
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 10,21, got {text!r}") from None
+    if any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"layer indices must be >= 0, got {text!r}")
+    return vals
+
+
+def band_list(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """'7-13,18-25' -> ((7..13), (18..25))."""
+    try:
+        bands = []
+        for part in text.split(","):
+            lo, hi = (int(x) for x in part.split("-"))
+            if lo < 0 or hi < lo:
+                raise ValueError
+            bands.append(tuple(range(lo, hi + 1)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two bands like 7-13,18-25, got {text!r}") from None
+    if len(bands) != 2:
+        raise argparse.ArgumentTypeError(f"expected exactly two bands (A,B), got {text!r}")
+    return bands[0], bands[1]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="smollm2 (embedded, default), random:<preset>[:seed], a hub id or a local folder")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
+    g.add_argument("--device-map", default=None, help="'auto' spreads the model over all GPUs")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
+    g.add_argument("--attn", default=None, help="attention kernel: sdpa (default), flash_attention_2, eager")
+
+
+def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
+    g = p.add_argument_group("eviction")
+    if multi:
+        g.add_argument("--policies", type=name_list, default=["epikv"], help="comma-separated policy names")
+        g.add_argument("--budgets", type=int_list, default=[1024], help="comma-separated cache budgets K")
+    else:
+        g.add_argument("--policy", default="epikv", help=f"one of: {', '.join(policy_names())}")
+        g.add_argument("--budget", type=positive_int, default=1024, help="cache budget K (tokens, prompt included)")
+    g.add_argument("--tau", type=positive_int, default=None, help="eviction interval (default 1: every step)")
+    g.add_argument("--recent", type=nonneg_int, default=None, help="protected recent tokens (default min(128, K/4))")
+    g.add_argument("--no-protect-prompt", action="store_true", help="protect only the first --n-sink tokens")
+    g.add_argument("--n-sink", type=nonneg_int, default=None, help="sink tokens protected without prompt protection")
+    g.add_argument("--layers", type=layer_list, default=None, help="EPIKV blocks A,B (default 10,21 of 32, scaled)")
+    g.add_argument("--bands", type=band_list, default=None, help="band-adaptive bands, e.g. 7-13,18-25")
+    g.add_argument("--bands-file", default=None, help="a band file written by `epikv anatomy bands`")
+
+
+def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
+    """Settings from the command line that apply to `policy_name` (unset ones are left to the policy)."""
+    from ..policies import REGISTRY
+
+    cls = REGISTRY.get(policy_name)
+    if cls is None:
+        raise EpiKVError(f"unknown policy {policy_name!r}; known: {', '.join(REGISTRY)}")
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    s: dict = {"recent": args.recent, "n_sink": args.n_sink}
+    if args.no_protect_prompt:
+        s["protect_prompt"] = False
+    layers, bands = args.layers, args.bands
+    if getattr(args, "bands_file", None):
+        layers_f, bands_f = read_bands_file(args.bands_file)
+        layers, bands = layers or layers_f, bands or bands_f
+    if layers is not None and "layers" in fields:
+        s["layers"] = layers[: 1] if policy_name == "epikv-a" else layers
+        if policy_name != "epikv-a" and len(layers) != 2:
+            raise EpiKVError(f"--layers needs two blocks A,B for {policy_name}, got {len(layers)}")
+    if bands is not None and "bands" in fields:
+        s["bands"] = bands
+    return {k: v for k, v in s.items() if v is not None and k in fields}
+
+
+def read_bands_file(path: str) -> tuple[tuple[int, ...] | None, tuple | None]:
+    """A band file: {"layers": [A, B], "band_a": [...], "band_b": [...]} (written by `epikv anatomy bands`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise EpiKVError(f"bands file {path} does not exist") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise EpiKVError(f"cannot read bands file {path}: {e}") from None
+    try:
+        layers = tuple(int(x) for x in data["layers"]) if data.get("layers") else None
+        bands = (tuple(int(x) for x in data["band_a"]), tuple(int(x) for x in data["band_b"])) \
+            if data.get("band_a") and data.get("band_b") else None
+    except (TypeError, ValueError, AttributeError):
+        raise EpiKVError(f"bands file {path} is malformed: expected layers, band_a, band_b lists of integers") from None
+    if layers is None and bands is None:
+        raise EpiKVError(f"bands file {path} has neither layers nor bands")
+    return layers, bands
+
+
+def load(args):
+    from ..models import load_model
+
+    return load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                      attn_implementation=args.attn)

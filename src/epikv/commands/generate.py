@@ -1,0 +1,82 @@
+"""`epikv generate`: stream a generation under a policy, with a live status line and a summary (or --json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import EpiKVError
+from .common import add_model_args, add_policy_args, load, nonneg_float, nonneg_int, policy_settings, positive_int
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with an evicting KV cache",
+                       description="Generate text with the KV cache kept within --budget tokens.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system prompt (with --chat)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=nonneg_float, default=1.0)
+    p.add_argument("--top-k", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, help="prefill in chunks of this many tokens")
+    p.add_argument("--json", action="store_true", help="print only one JSON object")
+    add_model_args(p)
+    add_policy_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..engine import Sampling, generate
+
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise EpiKVError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+    else:
+        prompt = args.prompt
+    if not prompt or not prompt.strip():
+        raise EpiKVError("empty prompt")
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    settings = policy_settings(args, args.policy)
+    lm = load(args)
+    live = not args.json
+    tty = sys.stderr.isatty()
+
+    def on_step(info):
+        sys.stdout.write(info.new_text)
+        sys.stdout.flush()
+        if tty:
+            sys.stderr.write(f"\x1b7\x1b[999;1H\x1b[2K[{info.step + 1} tokens | cache {info.cache_tokens} | "
+                             f"{info.evictions} evictions | {info.tokens_per_s:.1f} tok/s]\x1b8")
+            sys.stderr.flush()
+
+    res = generate(lm.model, lm.tokenizer, prompt, policy=args.policy, budget=args.budget, tau=args.tau,
+                   max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat,
+                   system=args.system, prefill_chunk=args.prefill_chunk, on_step=on_step if live else None,
+                   **settings)
+    st = res.stats
+    summary = {
+        "text": res.texts[0], "prompt_tokens": st["prompt_tokens"][0], "new_tokens": st["new_tokens"][0],
+        "max_cache_tokens": st["max_cache_tokens"], "final_cache_tokens": st["final_cache_tokens"],
+        "evictions": st["evictions"], "seconds": round(st["seconds"], 3), "tokens_per_s": round(st["tokens_per_s"], 2),
+        "finish_reason": res.finish_reasons[0], "policy": st["policy"], "budget": st["budget"], "tau": st["tau"],
+        "model": args.model,
+    }
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        if tty:
+            sys.stderr.write("\x1b7\x1b[999;1H\x1b[2K\x1b8")
+        print()
+        print(f"[{summary['policy']} K={summary['budget']} tau={summary['tau']}] prompt {summary['prompt_tokens']} "
+              f"+ new {summary['new_tokens']} tokens ({summary['finish_reason']}); cache max "
+              f"{summary['max_cache_tokens']}, final {summary['final_cache_tokens']}; {summary['evictions']} "
+              f"evictions; {summary['tokens_per_s']} tok/s; {summary['seconds']} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,58 @@
+"""`epikv trace`: the per-token EPIKV score over a text, with the tokens evicted at a budget marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import EpiKVError
+from .common import add_model_args, add_policy_args, load, policy_settings
+
+
+def register(sub) -> None:
+    p = sub.add_parser("trace", help="show per-token scores and evictions over a text",
+                       description="Show a policy's per-token score over a text and what it evicts at a budget.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text-file", help="a text file (its first line is treated as the prompt)")
+    src.add_argument("--prompt", help="the prompt (protected); use with --completion")
+    p.add_argument("--completion", help="the text after the prompt")
+    p.add_argument("--html", help="write an HTML view here")
+    p.add_argument("--png", help="write a PNG plot here")
+    add_model_args(p)
+    add_policy_args(p)
+    p.set_defaults(run=run, budget=256)
+
+
+def run(args) -> int:
+    from ..trace import render_html, render_png, render_terminal, trace_scores
+
+    if args.text_file:
+        try:
+            text = Path(args.text_file).read_text()
+        except OSError as e:
+            raise EpiKVError(f"cannot read {args.text_file}: {e.strerror}") from None
+        prompt, _, completion = text.partition("\n")
+        completion = "\n" + completion if completion else ""
+    else:
+        if args.completion is None:
+            raise EpiKVError("--prompt needs --completion")
+        prompt, completion = args.prompt, args.completion
+    if not prompt.strip():
+        raise EpiKVError("empty prompt")
+    if not completion.strip():
+        raise EpiKVError("empty completion: nothing to trace")
+    lm = load(args)
+    tok = lm.tokenizer
+    p_ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    c_ids = tok(completion, add_special_tokens=False)["input_ids"]
+    tr = trace_scores(lm.model, tok, p_ids, c_ids, policy=args.policy, budget=args.budget, tau=args.tau or 1,
+                      **policy_settings(args, args.policy))
+    if args.html:
+        Path(args.html).write_text(render_html(tr))
+    if args.png:
+        render_png(tr, args.png)
+    if not args.html and not args.png:
+        render_terminal(tr)
+    else:
+        print(f"{sum(tr.evicted)} of {len(tr.tokens)} tokens evicted at K={tr.budget}; wrote "
+              + ", ".join(x for x in (args.html, args.png) if x))
+    return 0

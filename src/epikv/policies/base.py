@@ -1,0 +1,146 @@
+"""What every policy shares: eviction settings, what it observes, and the keep-set rule.
+
+A policy is a small dataclass (its hyper-parameters are fields) plus pure tensor code. It never touches the model:
+the cache captures exactly what `observes()` declares and hands it over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import EpiKVError
+
+
+@dataclass(frozen=True)
+class Observes:
+    """What a policy reads; the cache captures only this."""
+
+    hidden_layers: tuple[int, ...] = ()  # outputs of these decoder blocks (hidden_states[l + 1] in HF terms)
+    attention_layers: tuple[int, ...] = ()  # softmax attention weights of these layers (forces eager attention)
+    keys_values: bool = False  # the cached keys / values at eviction time
+
+    def describe(self) -> str:
+        parts = []
+        if self.hidden_layers:
+            parts.append("hidden states at blocks " + ",".join(map(str, self.hidden_layers)))
+        if self.attention_layers:
+            parts.append(f"attention weights at {len(self.attention_layers)} layers")
+        if self.keys_values:
+            parts.append("cached keys/values")
+        return "; ".join(parts) or "nothing"
+
+
+@dataclass
+class StepObservation:
+    """What one forward pass over T new tokens showed the policy."""
+
+    hidden: dict[int, torch.Tensor]  # block -> [batch, T, dim] (on that block's device)
+    attentions: dict[int, torch.Tensor]  # layer -> [batch, heads, T, kv_len]
+    valid: torch.Tensor  # [batch, T] bool: real tokens (False for left padding)
+    positions: torch.Tensor  # [batch, T] true positions
+
+
+@dataclass
+class CacheView:
+    """The cache as a policy sees it at eviction time."""
+
+    length: int  # stored tokens per sequence (physical)
+    budget: int
+    token_data: dict[str, torch.Tensor]  # per-token tensors aligned with the cache, [batch, ..., length]
+    n_pad: torch.Tensor  # [batch] left-padding slots at the front
+    n_protect: torch.Tensor  # [batch] protected real tokens right after the padding (prompt or sinks)
+    recent: int  # protected newest tokens
+    keys: list[torch.Tensor]  # per layer [batch, kv_heads, length, head_dim] (views, do not modify)
+    values: list[torch.Tensor]
+    device: torch.device
+
+
+@dataclass
+class Policy:
+    """Base of every policy. Subclasses set the class attributes and override the hooks they need."""
+
+    tau: int = 1  # evict when the cache exceeds budget + tau - 1 tokens; 1 = every step
+    recent: int | None = None  # protected newest tokens; None = min(128, budget // 4)
+    protect_prompt: bool = True  # else only the first n_sink tokens are protected
+    n_sink: int = 4
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    attention_free: ClassVar[bool] = True
+    granularity: ClassVar[str] = "token"  # "token": one keep set per sequence; "head": per layer and KV head
+    evicts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or v is None:
+                continue
+            if isinstance(v, (int, float)) and v < 0:
+                raise EpiKVError(f"{self.name}: {f.name} must not be negative, got {v}")
+        if self.tau < 1:
+            raise EpiKVError(f"tau must be at least 1, got {self.tau}")
+
+    # -- declared observations -------------------------------------------------------------------------------------
+    def observes(self, n_layers: int) -> Observes:
+        return Observes()
+
+    # -- hooks -----------------------------------------------------------------------------------------------------
+    def init_state(self, batch: int, n_layers: int, device: torch.device) -> Any:
+        """Fresh per-generation state (no state lives on the policy object itself)."""
+        return None
+
+    def on_tokens(self, state: Any, obs: StepObservation) -> dict[str, torch.Tensor]:
+        """Called after each forward. Returns per-token tensors [batch, ..., T] to append to the cache's token data
+        (e.g. {"score": ...}), which the cache keeps aligned with the stored tokens through every eviction."""
+        return {}
+
+    def scores(self, state: Any, view: CacheView) -> torch.Tensor:
+        """Priority of each stored token, [batch, length] (token) or [batch, layers, kv_heads, length] (head).
+        Higher is kept. Protection and padding are applied by `select_keep`, not here."""
+        raise NotImplementedError
+
+    # -- shared rule -----------------------------------------------------------------------------------------------
+    def recent_window(self, budget: int) -> int:
+        return min(128, budget // 4) if self.recent is None else self.recent
+
+    def describe(self) -> dict[str, Any]:
+        defaults = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {
+            "name": self.name,
+            "attention_free": self.attention_free,
+            "granularity": self.granularity,
+            "observes": self.observes(32).describe() + " (for a 32-block model)",
+            "defaults": defaults,
+            "paper": self.paper,
+            "doc": (type(self).__doc__ or "").strip().splitlines()[0],
+        }
+
+
+def _jsonable(v):
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def select_keep(priority: torch.Tensor, view: CacheView) -> torch.Tensor:
+    """Keep exactly `budget` slots per sequence (per layer and head for head-level priorities), in chronological order.
+
+    Layout of a stored row: [padding][protected prefix][evictable middle][recent window]. Padding goes first
+    (kept only when a row has fewer real tokens than the budget), protected and recent tokens always stay, the
+    middle competes by priority. priority: [batch, length] or [batch, layers, heads, length].
+    """
+    n = view.length
+    idx = torch.arange(n, device=priority.device)
+    shape = (-1,) + (1,) * (priority.dim() - 1)
+    n_pad = view.n_pad.to(priority.device).view(shape)
+    n_prot = view.n_protect.to(priority.device).view(shape)
+    is_pad = idx < n_pad
+    protected = (~is_pad) & ((idx < n_pad + n_prot) | (idx >= n - view.recent))
+    pr = torch.nan_to_num(priority.float(), nan=-3e38)  # a NaN score must never win a slot
+    pr = pr.masked_fill(protected, float("inf")).masked_fill(is_pad, float("-inf"))
+    keep = pr.topk(view.budget, dim=-1, sorted=False).indices
+    return keep.sort(dim=-1).values

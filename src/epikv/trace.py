@@ -1,0 +1,135 @@
+"""Per-token scores of a policy over a text, and which tokens it would evict at a budget (`epikv trace`)."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Decoder
+from .errors import EpiKVError
+
+
+@dataclass
+class TokenTrace:
+    tokens: list[str]  # decoded text of each token
+    scores: list[float]  # the policy's frozen per-token score (0 for prompt tokens' first position)
+    evicted: list[bool]  # evicted by the end of the text at `budget`
+    is_prompt: list[bool]
+    policy: str
+    budget: int
+
+
+def trace_scores(model, tokenizer, prompt_ids: list[int], completion_ids: list[int], policy: str = "epikv",
+                 budget: int = 256, tau: int = 1, chunk: int = 256, **settings) -> TokenTrace:
+    """Stream prompt + completion through the model twice: once without eviction to read every token's score,
+    once with eviction at `budget` (chunks of `tau`) to see which tokens the policy drops."""
+    if not prompt_ids:
+        raise EpiKVError("empty prompt")
+    if not completion_ids:
+        raise EpiKVError("empty text to trace")
+    ids = torch.tensor([prompt_ids + completion_ids])
+    n = ids.shape[1]
+    with torch.inference_mode():
+        # scores: a cache large enough never to evict, prefill in chunks (equal to token-by-token, tested)
+        dec = Decoder(model, policy, budget=n + 1, tau=1, **settings)
+        if "score" not in _token_data_keys(dec):
+            raise EpiKVError(f"policy {policy} has no per-token score to trace (it scores at eviction time)")
+        dec.prefill(ids[:, : len(prompt_ids)], [0])
+        for s in range(len(prompt_ids), n, chunk):
+            dec.step(ids[:, s : s + chunk])
+        scores = dec.cache.token_data["score"][0].float().tolist()
+        # evictions at the budget, in chunks of tau as during generation
+        dec = Decoder(model, policy, budget=budget, tau=tau, **settings)
+        dec.prefill(ids[:, : len(prompt_ids)], [0])
+        for s in range(len(prompt_ids), n, tau):
+            dec.step(ids[:, s : s + tau])
+        kept = set(dec.cache.token_data["pos"][0].tolist())
+    tokens = [tokenizer.decode([t]) for t in prompt_ids + completion_ids]
+    return TokenTrace(tokens=tokens, scores=scores, evicted=[i not in kept for i in range(n)],
+                      is_prompt=[i < len(prompt_ids) for i in range(n)], policy=policy, budget=budget)
+
+
+def _token_data_keys(dec: Decoder) -> set[str]:
+    from .policies.hidden import HiddenStatePolicy
+
+    return {"score"} if isinstance(dec.policy, HiddenStatePolicy) else set()
+
+
+def _colour(score: float, scale: float) -> tuple[int, int, int]:
+    """Diverging colour: high scores (kept, 'epiphany') orange-red, low scores blue, zero white."""
+    x = max(-1.0, min(1.0, score / scale)) if scale > 0 else 0.0
+    if x >= 0:
+        return 255, int(255 - 120 * x), int(255 - 200 * x)
+    return int(255 + 200 * x), int(255 + 120 * x), 255
+
+
+def _scale(tr: TokenTrace) -> float:
+    vals = sorted(abs(s) for s, p in zip(tr.scores, tr.is_prompt) if not p)
+    return vals[int(0.95 * (len(vals) - 1))] if vals else 1.0
+
+
+def render_terminal(tr: TokenTrace, console=None) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    console = console or Console()
+    scale = _scale(tr)
+    text = Text()
+    for tok, s, ev, pr in zip(tr.tokens, tr.scores, tr.evicted, tr.is_prompt):
+        if pr:
+            text.append(tok, style="dim")
+            continue
+        r, g, b = _colour(s, scale)
+        text.append(tok, style=f"black on rgb({r},{g},{b})" + (" strike" if ev else ""))
+    console.print(text)
+    n_ev = sum(tr.evicted)
+    console.print(f"[bold]{tr.policy}[/] at K={tr.budget}: {n_ev} of {len(tr.tokens)} tokens evicted (struck through); "
+                  "orange = high score (kept first), blue = low score; prompt dimmed.")
+
+
+def render_html(tr: TokenTrace) -> str:
+    scale = _scale(tr)
+    spans = []
+    for i, (tok, s, ev, pr) in enumerate(zip(tr.tokens, tr.scores, tr.evicted, tr.is_prompt)):
+        r, g, b = (235, 235, 235) if pr else _colour(s, scale)
+        style = f"background:rgb({r},{g},{b})" + (";text-decoration:line-through;opacity:.55" if ev else "")
+        spans.append(f'<span title="#{i} score {s:.3f}{" evicted" if ev else ""}" style="{style}">'
+                     f"{html.escape(tok)}</span>")
+    n_ev = sum(tr.evicted)
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>epikv trace</title>"
+            "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+            ".t{font-family:monospace;white-space:pre-wrap;line-height:1.6}</style></head><body>"
+            f"<h3>{html.escape(tr.policy)} scores, K={tr.budget}: {n_ev} of {len(tr.tokens)} tokens evicted</h3>"
+            "<p>Orange: high score (kept first, the method's 'epiphanies'); blue: low; grey: prompt (protected); "
+            "struck through: evicted by the end. Hover a token for its score.</p>"
+            f"<div class='t'>{''.join(spans)}</div></body></html>")
+
+
+def render_png(tr: TokenTrace, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(tr.tokens)
+    xs = list(range(n))
+    fig, ax = plt.subplots(figsize=(12, 4))
+    ax.plot(xs, tr.scores, lw=0.7, color="0.3")
+    ev = [i for i in xs if tr.evicted[i]]
+    ax.scatter(ev, [tr.scores[i] for i in ev], s=6, color="tab:blue", label="evicted")
+    kept = [i for i in xs if not tr.evicted[i] and not tr.is_prompt[i]]
+    ax.scatter(kept, [tr.scores[i] for i in kept], s=6, color="tab:red", label="kept")
+    p_end = sum(tr.is_prompt)
+    ax.axvspan(0, p_end, color="0.9", label="prompt (protected)")
+    top = sorted(kept, key=lambda i: -tr.scores[i])[:12]
+    for i in top:
+        ax.annotate(repr(tr.tokens[i].strip())[1:-1][:12], (i, tr.scores[i]), fontsize=7, rotation=45)
+    ax.set_xlabel("token position")
+    ax.set_ylabel(f"{tr.policy} score")
+    ax.set_title(f"{tr.policy} per-token score, K={tr.budget}: {len(ev)} of {n} evicted")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
