@@ -1,0 +1,125 @@
+"""The command line: JSON output, listing, trace views, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from epikv.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_bad(capsys, *argv):
+    """A bad invocation: non-zero exit, exactly one line on stderr, no traceback."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code != 0
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_generate_json_on_embedded_model(capsys):
+    code, out, err = run_cli(capsys, "generate", "--prompt", "Count from one to twenty: one, two, three,",
+                             "--chat", "--max-new-tokens", "64", "--budget", "64", "--json")
+    assert code == 0
+    d = json.loads(out)
+    for key in ("text", "prompt_tokens", "new_tokens", "max_cache_tokens", "final_cache_tokens", "evictions",
+                "seconds", "tokens_per_s", "policy", "budget", "tau", "model"):
+        assert key in d
+    assert d["policy"] == "epikv" and d["budget"] == 64 and d["model"] == "smollm2"
+    assert d["text"].strip() and d["new_tokens"] > 0
+    if d["prompt_tokens"] + d["new_tokens"] > 65:
+        assert d["evictions"] > 0 and d["max_cache_tokens"] <= 64
+
+
+def test_generate_streams_text_and_summary(capsys):
+    code, out, err = run_cli(capsys, "generate", "--model", "random:tiny", "--prompt", "Hello world",
+                             "--max-new-tokens", "12", "--budget", "8", "--tau", "2")
+    assert code == 0 and out.strip()
+    assert "[epikv K=8 tau=2]" in err and "evictions" in err
+
+
+def test_policies_json(capsys):
+    code, out, _ = run_cli(capsys, "policies", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    for name in ("epikv", "epikv-raw", "epikv-a", "epikv-band", "lag-kv", "full", "streaming", "random"):
+        assert rows[name]["attention_free"] is True
+        assert rows[name]["paper"] and "defaults" in rows[name]
+    assert "hidden states at blocks 10,21" in rows["epikv"]["observes"]
+    assert rows["lag-kv"]["observes"].startswith("cached keys/values")
+
+
+def test_trace_views(capsys, tmp_path):
+    html, png = tmp_path / "t.html", tmp_path / "t.png"
+    code, out, _ = run_cli(capsys, "trace", "--model", "random:tiny", "--prompt", "Question: what is 2+2?",
+                           "--completion", " Let me think. Two plus two is four. So the answer is 4." * 3,
+                           "--budget", "24", "--html", str(html), "--png", str(png))
+    assert code == 0 and "evicted" in out
+    text = html.read_text()
+    assert text.count("<span") > 40 and "line-through" in text
+    assert png.stat().st_size > 5000
+    code, out, _ = run_cli(capsys, "trace", "--model", "random:tiny", "--prompt", "Q", "--completion",
+                           " a b c d e f g h i j k l m n o p", "--budget", "10")
+    assert code == 0 and "tokens evicted" in out
+
+
+@pytest.fixture(scope="module")
+def no_decoder_model(tmp_path_factory):
+    """A GPT-2 folder: a causal LM without model.model.layers."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from epikv.models import smollm2_folder
+
+    d = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=49152)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--budget", "abc"], "positive integer"),
+    (["--budget", "-5"], "positive integer"),
+    (["--temperature", "-1"], ">= 0"),
+    (["--top-p", "x"], ">= 0"),
+    (["--max-new-tokens", "0"], "positive integer"),
+    (["--policy", "nope"], "unknown policy"),
+    (["--model", "random:nope"], "unknown random preset"),
+    (["--model", "/nonexistent/folder"], "does not exist"),
+    (["--budget", "4"], "smaller than what is protected"),
+    (["--layers", "1,99"], "out of range"),
+    (["--layers", "a,b"], "layer indices"),
+    (["--prompt-file", "/nonexistent.txt"], "cannot read"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--bands-file", "/nonexistent.json"], "does not exist"),
+])
+def test_generate_bad_input(capsys, argv, needle):
+    base = ["generate", "--model", "random:tiny", "--max-new-tokens", "4"]
+    if "--prompt-file" not in argv:
+        base += ["--prompt", "Hello there, my friend"]
+    line = run_bad(capsys, *base, *argv)
+    assert needle in line
+
+
+def test_empty_prompt_and_no_decoder(capsys, no_decoder_model):
+    assert "empty prompt" in run_bad(capsys, "generate", "--model", "random:tiny", "--prompt", "  ")
+    line = run_bad(capsys, "generate", "--model", no_decoder_model, "--prompt", "hi")
+    assert "no decoder layers" in line
+
+
+def test_console_script_exit_code():
+    """The installed entry point, as a user runs it."""
+    p = subprocess.run([sys.executable, "-m", "epikv.cli", "generate", "--prompt", "x", "--policy", "nope",
+                        "--model", "random:tiny"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().startswith("epikv generate: error: unknown policy")
+    assert "Traceback" not in p.stderr
