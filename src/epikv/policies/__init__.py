@@ -14,10 +14,21 @@ from .full import FullCache
 from .lag_kv import LagKVVariant
 from .random_eviction import RandomEviction
 from .streaming import StreamingLLM
+from .h2o import H2O
+from .h2o_global import H2OGlobal
+from .keydiff import KeyDiff
+from .knorm import KNorm
+from .lagkv import LagKV
+from .raas import RaaS
+from .rkv import RKV
+from .snapkv import SnapKV
+from .thinkv import ThinKV
+from .tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, FullCache, StreamingLLM, RandomEviction)
+    for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, FullCache, StreamingLLM, RandomEviction,
+                H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm)
 }
 
 

@@ -22,6 +22,7 @@ class Observes:
     hidden_layers: tuple[int, ...] = ()  # outputs of these decoder blocks (hidden_states[l + 1] in HF terms)
     attention_layers: tuple[int, ...] = ()  # softmax attention weights of these layers (forces eager attention)
     keys_values: bool = False  # the cached keys / values at eviction time
+    queries: int = 0  # the last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)
 
     def describe(self) -> str:
         parts = []
@@ -31,6 +32,8 @@ class Observes:
             parts.append(f"attention weights at {len(self.attention_layers)} layers")
         if self.keys_values:
             parts.append("cached keys/values")
+        if self.queries:
+            parts.append(f"last {self.queries} query states (recomputed)")
         return "; ".join(parts) or "nothing"
 
 
@@ -42,6 +45,11 @@ class StepObservation:
     attentions: dict[int, torch.Tensor]  # layer -> [batch, heads, T, kv_len]
     valid: torch.Tensor  # [batch, T] bool: real tokens (False for left padding)
     positions: torch.Tensor  # [batch, T] true positions
+    # token data of the tokens stored before this step ([batch, ..., n_old]); a policy may return a key with
+    # n_old + T entries to replace it (e.g. attention accumulated onto old tokens) instead of n_new to append
+    stored: dict[str, torch.Tensor] = field(default_factory=dict)
+    n_protect: torch.Tensor | None = None  # [batch] protected real tokens (the prompt when it is protected)
+    kv_heads: int = 0  # KV heads per layer (per-head token data is [batch, layers, kv_heads, n])
 
 
 @dataclass
@@ -57,6 +65,10 @@ class CacheView:
     keys: list[torch.Tensor]  # per layer [batch, kv_heads, length, head_dim] (views, do not modify)
     values: list[torch.Tensor]
     device: torch.device
+    # Observes.queries > 0: per layer the last w rotated queries [batch, heads, w, head_dim] (the newest last) and
+    # which of them are real tokens [batch, w]
+    queries: list[torch.Tensor] = field(default_factory=list)
+    query_valid: torch.Tensor | None = None
 
 
 @dataclass
@@ -104,6 +116,10 @@ class Policy:
         raise NotImplementedError
 
     # -- shared rule -----------------------------------------------------------------------------------------------
+    def uncompressed_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Layers this policy never evicts from (they keep every token; only unpadded batches allow it)."""
+        return ()
+
     def recent_window(self, budget: int) -> int:
         return min(128, budget // 4) if self.recent is None else self.recent
 
@@ -124,6 +140,12 @@ def _jsonable(v):
     if isinstance(v, tuple):
         return [_jsonable(x) for x in v]
     return v
+
+
+def pool_query_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[batch, heads, ...] -> [batch, kv_heads, ...]: mean over the query heads that share a KV head (GQA)."""
+    b, h = x.shape[:2]
+    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:]).mean(2)
 
 
 def select_keep(priority: torch.Tensor, view: CacheView) -> torch.Tensor:

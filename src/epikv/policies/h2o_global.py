@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Observes, Policy
+from .h2o import attention_received
+
+
+@dataclass
+class H2OGlobal(Policy):
+    """The EPIKV paper's adaptation of H2O (arXiv:2606.26472; H2O is arXiv:2306.14048): one keep mask per token.
+
+    Attention received is averaged over layers and heads and accumulated over all queries; keeps 4 sink tokens,
+    the newest min(128, K/4) and the top accumulated rest; the prompt is not protected. The paper also averaged
+    over the batch; here each sequence keeps its own sums (identical at batch 1, the paper's setting).
+    """
+
+    protect_prompt: bool = False
+
+    name = "h2o-global"
+    paper = "arXiv:2606.26472"
+    attention_free = False
+
+    def observes(self, n_layers):
+        return Observes(attention_layers=tuple(range(n_layers)))
+
+    def on_tokens(self, state, obs):
+        acc = attention_received(obs, per_kv_head=False).mean(dim=(1, 2))  # [batch, n_old + T]
+        old = obs.stored.get("acc")
+        if old is not None:
+            acc[..., : old.shape[-1]] += old
+        return {"acc": acc}
+
+    def scores(self, state, view):
+        return view.token_data["acc"]

@@ -1,0 +1,358 @@
+"""Baseline policies: the matrix over every registered policy, and each policy's defining rule on built inputs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from epikv.engine import Decoder, Sampling, attention_for, generate
+from epikv.errors import EpiKVError
+from epikv.models import load_model
+from epikv.policies import REGISTRY, CacheView, StepObservation, get_policy, select_keep
+from epikv.policies.lagkv import partition_scores
+from epikv.policies.rkv import redundancy
+
+PROMPTS = {1: ["one two three four five six"], 2: ["hi there", "one two three four five six seven"]}
+BUDGET, NEW = 10, 22
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("random:tiny")
+
+
+_full_cache: dict = {}
+
+
+def _run(lm, name, batch, tau, budget, sampling=None):
+    return generate(lm.model, lm.tokenizer, PROMPTS[batch], policy=name, budget=budget, tau=tau,
+                    max_new_tokens=NEW, sampling=sampling or Sampling())
+
+
+@pytest.mark.parametrize("tau", [1, 16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_matrix(tiny, name, batch, tau):
+    """Every policy x (batch 1, left-padded batch 2) x (tau 1, 16): runs, stays within budget + tau - 1, produces
+    tokens. Determinism for a seed and equality with `full` under a large budget are checked on the padded batch
+    at tau 1 (the strictest cell; tau does not matter without eviction), to keep the suite fast on 2 CPU cores."""
+    pol = get_policy(name)
+    if pol.uncompressed_layers(4) and batch == 2:  # knorm: a padded batch is refused with a clear error
+        with pytest.raises(EpiKVError, match="padded batch"):
+            _run(tiny, name, batch, tau, BUDGET)
+        return
+    samp = Sampling(temperature=1.0, seed=3)
+    a = _run(tiny, name, batch, tau, BUDGET, samp)
+    assert all(len(t) == NEW for t in a.token_ids)  # random weights never emit EOS this early
+    if pol.evicts:
+        assert a.stats["max_cache_tokens"] <= BUDGET + tau - 1
+        assert a.stats["final_cache_tokens"] <= BUDGET + tau - 1 and a.stats["evictions"] >= 1
+    if (batch, tau) != (2, 1) and not (pol.uncompressed_layers(4) and batch == 1 and tau == 1):
+        return
+    b = _run(tiny, name, batch, tau, BUDGET, samp)
+    assert a.token_ids == b.token_ids  # deterministic for a seed
+    # a budget above the final length never evicts: identical to the full cache (greedy)
+    key = (batch, tau)
+    if key not in _full_cache:
+        _full_cache[key] = _run(tiny, "full", batch, tau, None).token_ids
+    big = _run(tiny, name, batch, tau, 64)
+    assert big.stats.get("evictions", 0) == 0
+    assert big.token_ids == _full_cache[key]
+
+
+def test_policies_json_lists_attention_free(capsys):
+    import json
+
+    from epikv.cli import main
+
+    assert main(["policies", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    needs = {"h2o", "h2o-global", "tova", "raas", "thinkv"}
+    for name in ("h2o", "h2o-global", "tova", "snapkv", "rkv", "raas", "thinkv", "lagkv", "keydiff", "knorm",
+                 "streaming", "random", "epikv"):
+        assert rows[name]["attention_free"] == (name not in needs), name
+        assert rows[name]["paper"].startswith("arXiv:")
+
+
+# -- constructed inputs ------------------------------------------------------------------------------------------------
+
+def _view(n, budget, recent, n_protect=0, n_pad=0, batch=1, **kw):
+    return CacheView(length=n, budget=budget, token_data=kw.pop("token_data", {}),
+                     n_pad=torch.full((batch,), n_pad), n_protect=torch.full((batch,), n_protect), recent=recent,
+                     keys=kw.pop("keys", []), values=kw.pop("values", []), device=torch.device("cpu"), **kw)
+
+
+def _obs(attn_by_layer, kv_heads, stored=None, positions=None, n_protect=0):
+    a = next(iter(attn_by_layer.values()))
+    b, _, t, _ = a.shape
+    pos = positions if positions is not None else torch.arange(t)[None].expand(b, -1)
+    return StepObservation(hidden={}, attentions=attn_by_layer, valid=torch.ones(b, t, dtype=torch.bool),
+                           positions=pos, stored=stored or {}, n_protect=torch.full((b,), n_protect),
+                           kv_heads=kv_heads)
+
+
+def test_h2o_keeps_heaviest_hitter_and_recent_half():
+    pol = get_policy("h2o")
+    n, budget = 12, 4
+    # one layer, 2 query heads sharing 1 KV head; two steps of attention accumulate
+    a1 = torch.zeros(1, 2, 1, n)
+    a1[0, :, 0, 2] = 0.6  # token 2 gets attention twice
+    a1[0, :, 0, 5] = 0.4
+    acc = pol.on_tokens(None, _obs({0: a1}, 1))["acc"]
+    a2 = torch.zeros(1, 2, 1, n)
+    a2[0, :, 0, 2] = 0.3
+    a2[0, :, 0, 5] = 0.5
+    acc = pol.on_tokens(None, _obs({0: a2}, 1, stored={"acc": acc[..., : n - 0]}))["acc"]
+    assert acc.shape == (1, 1, 1, n) and torch.allclose(acc[0, 0, 0, [2, 5]], torch.tensor([0.9, 0.9]))
+    acc[0, 0, 0, 5] = 0.8
+    view = _view(n, budget, pol.recent_window(budget), token_data={"acc": acc})
+    keep = select_keep(pol.scores(None, view), view)
+    assert pol.recent_window(budget) == 2
+    assert keep[0, 0, 0].tolist() == [2, 5, 10, 11]  # 2 heavy hitters + the recent half
+
+
+def test_h2o_is_per_head():
+    pol = get_policy("h2o")
+    a = torch.zeros(1, 4, 1, 8)  # 4 query heads, 2 KV heads
+    a[0, :2, 0, 1] = 1.0  # KV head 0's group looks at token 1
+    a[0, 2:, 0, 3] = 1.0  # KV head 1's group at token 3
+    acc = pol.on_tokens(None, _obs({0: a}, 2))["acc"]
+    view = _view(8, 3, 2, token_data={"acc": acc})
+    keep = select_keep(pol.scores(None, view), view)
+    assert keep[0, 0, 0].tolist() == [1, 6, 7] and keep[0, 0, 1].tolist() == [3, 6, 7]
+
+
+def test_h2o_global_averages_layers_and_heads():
+    pol = get_policy("h2o-global")
+    n = 10
+    a0, a1 = torch.zeros(1, 2, 1, n), torch.zeros(1, 2, 1, n)
+    a0[0, 0, 0, 6] = 1.0  # strong in one head of one layer
+    a1[0, :, 0, 5] = 0.6  # moderate everywhere: larger mean (0.3 vs 0.25)
+    acc = pol.on_tokens(None, _obs({0: a0, 1: a1}, 1))["acc"]
+    assert acc.shape == (1, n)
+    view = _view(n, 6, 1, n_protect=4, token_data={"acc": acc})
+    keep = select_keep(pol.scores(None, view), view)
+    assert keep[0].tolist() == [0, 1, 2, 3, 5, 9]  # 4 sinks + top accumulated + recent
+
+
+def test_streaming_keeps_sinks_and_newest():
+    pol = get_policy("streaming")
+    view = _view(12, 8, pol.recent_window(8), n_protect=4)
+    keep = select_keep(pol.scores(None, view), view)
+    assert keep[0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+
+
+def test_tova_keeps_top_current_query_attention_per_layer():
+    pol = get_policy("tova")
+    st = pol.init_state(1, 2, torch.device("cpu"))
+    n = 8
+    a0 = torch.rand(1, 2, 3, n) * 0.01
+    a0[0, :, -1, [1, 4, 6]] = torch.tensor([0.5, 0.3, 0.2])
+    a0[0, :, 0, 0] = 5.0  # an older query of the chunk: ignored
+    a1 = torch.rand(1, 2, 3, n) * 0.01
+    a1[0, :, -1, [0, 2, 7]] = torch.tensor([0.5, 0.3, 0.2])
+    pol.on_tokens(st, _obs({0: a0, 1: a1}, 1))
+    view = _view(n, 3, pol.recent_window(3))
+    keep = select_keep(pol.scores(st, view), view)
+    assert keep[0, 0, 0].tolist() == [1, 4, 6] and keep[0, 1, 0].tolist() == [0, 2, 7]
+
+
+def test_raas_evicts_stalest_and_never_the_prompt():
+    pol = get_policy("raas")
+    prompt = 3
+    # prefill 3 prompt tokens, then decode tokens 3..7; at position 7 the newest query attends to 4 and 7
+    attn = torch.zeros(1, 1, 3, 3)
+    data = pol.on_tokens(None, _obs({0: attn}, 1, n_protect=prompt))
+    data["pos"] = torch.arange(3)[None]
+    for p in range(3, 8):
+        a = torch.zeros(1, 1, 1, p + 1)
+        a[0, 0, 0, p] = 0.1
+        if p == 7:
+            a[0, 0, 0, 3:8] = torch.tensor([0.01, 0.5, 0.02, 0.05, 0.4])  # median over decode tokens: 0.05
+            a[0, 0, 0, 0] = 0.9  # the prompt's attention does not enter the median
+        out = pol.on_tokens(None, _obs({0: a}, 1, stored=data, positions=torch.tensor([[p]]), n_protect=prompt))
+        data = {"ts": out["ts"], "pos": torch.cat([data["pos"], torch.tensor([[p]])], -1)}
+    ts = data["ts"][0].tolist()
+    assert ts[4] == ts[6] == ts[7] == 7  # refreshed (>= median of decode tokens 3..7)
+    assert ts[3] < 7 and ts[5] < 7  # below the median at the last step: stale
+    view = _view(8, 6, 1, n_protect=prompt, token_data=data)
+    keep = select_keep(pol.scores(None, view), view)
+    assert keep[0].tolist() == [0, 1, 2, 4, 6, 7]  # stalest decode tokens 3 and 5 go; the prompt stays
+
+
+def test_thinkv_keeps_64_32_8_by_entropy_tertile():
+    pol = get_policy("thinkv")
+    prot, seg, recent = 4, 128, 8
+    n = prot + 3 * seg + recent
+    ent = torch.full((1, n), 1e-3)
+    # segment 0: one spike (low entropy, transition); 1: a few (execution); 2: flat (high entropy, reasoning)
+    ent[0, prot + 5] = 1.0
+    ent[0, prot + seg : prot + seg + 16] = 0.2
+    ent[0, prot + 2 * seg : prot + 3 * seg] = 0.5
+    st = {"ent": ent, "rank": torch.rand(1, n) * 0.5}
+    budget = prot + recent + 64 + 32 + 8
+    view = _view(n, budget, recent, n_protect=prot)
+    keep = select_keep(pol.scores(st, view), view)[0]
+    per_seg = [int(((keep >= prot + s * seg) & (keep < prot + (s + 1) * seg)).sum()) for s in range(3)]
+    assert per_seg == [8, 32, 64]
+    seg2 = torch.arange(prot + 2 * seg, prot + 3 * seg)
+    top = seg2[st["rank"][0, seg2].topk(64).indices].sort().values  # inside a segment: by last-layer attention
+    assert torch.equal(keep[(keep >= prot + 2 * seg) & (keep < prot + 3 * seg)], top)
+
+
+def test_lagkv_normalises_against_next_partition_and_keeps_top_half():
+    torch.manual_seed(0)
+    lag, sink, layers, heads, dim = 8, 2, 1, 2, 4
+    x = torch.randn(1, heads, 3 * lag, dim)
+    s = partition_scores(x[0], lag)  # [heads, 2 * lag]
+    ref = x[0, :, lag : 2 * lag]
+    manual = ((x[0, :, :lag] - ref.amin(1, keepdim=True)) / (ref.amax(1, keepdim=True) - ref.amin(1, keepdim=True)
+                                                                 + 1e-9)).std(-1).softmax(-1)
+    assert torch.allclose(s[:, :lag], manual, atol=1e-6)
+    pol = get_policy("lagkv", lag=lag, n_sink=sink)
+    n = sink + 3 * lag + 3  # two scored partitions, then a full + partial tail
+    k, v = torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)
+    budget = sink + lag + (3 * lag + 3 - 2 * lag)  # half of each scored partition + the whole tail
+    view = _view(n, budget, 0, n_protect=sink, keys=[k], values=[v])
+    keep = select_keep(pol.scores(None, view), view)[0, 0]  # [heads, budget]
+    score = partition_scores(k[0, :, sink : sink + 3 * lag], lag) + partition_scores(v[0, :, sink : sink + 3 * lag], lag)
+    for h in range(heads):
+        kept = set(keep[h].tolist())
+        assert set(range(sink)) <= kept and set(range(sink + 2 * lag, n)) <= kept  # sinks and tail
+        for p in range(2):
+            sp = score[h, p * lag : (p + 1) * lag]
+            top = {sink + p * lag + int(i) for i in sp.topk(lag // 2).indices}
+            assert top == {i for i in kept if sink + p * lag <= i < sink + (p + 1) * lag}
+
+
+def test_rkv_drops_older_of_two_near_identical_keys():
+    torch.manual_seed(1)
+    n, dim = 16, 16
+    k = torch.linalg.qr(torch.randn(dim, dim))[0][None, None].clone()  # orthonormal keys: no other redundancy
+    k[0, 0, 6] = k[0, 0, 2] + 1e-3  # token 6 repeats token 2
+    real = torch.ones(1, n, dtype=torch.bool)
+    red = redundancy(k, real, 0.5)[0, 0]
+    assert red[2] > red[6] and red[2] == red.max()
+    pol = get_policy("rkv", kernel=1)
+    q = torch.zeros(1, 1, 8, dim)  # uniform attention: importance equal everywhere
+    view = _view(n, n - 1, 8, keys=[k], values=[k], queries=[q], query_valid=torch.ones(1, 8, dtype=torch.bool))
+    keep = select_keep(pol.scores(None, view), view)[0, 0, 0].tolist()
+    assert 2 not in keep and 6 in keep
+
+
+def test_snapkv_keeps_attended_tokens_with_pooling():
+    torch.manual_seed(2)
+    n, dim = 40, 8
+    k = torch.randn(1, 1, n, dim) * 0.1
+    k[0, 0, 5] = torch.ones(dim) * 3
+    q = torch.ones(1, 2, 8, dim)  # 2 query heads on 1 KV head, all looking at token 5
+    pol = get_policy("snapkv")
+    view = _view(n, 8 + 7, 8, keys=[k], values=[k], queries=[q], query_valid=torch.ones(1, 8, dtype=torch.bool))
+    keep = select_keep(pol.scores(None, view), view)[0, 0, 0].tolist()
+    assert set(range(2, 9)) <= set(keep)  # token 5 and its max-pool neighbourhood (kernel 7)
+    assert set(range(32, 40)) <= set(keep)  # the observation window
+
+
+def test_keydiff_keeps_keys_least_similar_to_mean():
+    k = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.9, -0.1], [0.0, 1.0], [-1.0, 0.2], [1.0, 0.05]])[None, None]
+    pol = get_policy("keydiff")
+    view = _view(6, 3, 1, keys=[k], values=[k])
+    keep = select_keep(pol.scores(None, view), view)[0, 0, 0].tolist()
+    assert keep == [3, 4, 5]  # the two outliers + the recent token
+
+
+def test_knorm_keeps_lowest_norms():
+    k = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0, 9.0])[None, None, :, None] * torch.ones(1, 1, 7, 2)
+    pol = get_policy("knorm")
+    view = _view(7, 4, 1, keys=[k], values=[k])
+    assert select_keep(pol.scores(None, view), view)[0, 0, 0].tolist() == [1, 3, 5, 6]
+
+
+def test_knorm_leaves_layers_0_and_1_uncompressed(tiny):
+    r = generate(tiny.model, tiny.tokenizer, PROMPTS[1], policy="knorm", budget=BUDGET, max_new_tokens=NEW)
+    assert r.stats["max_cache_tokens"] == BUDGET
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, "knorm", BUDGET)
+        ids = torch.tensor([tiny.tokenizer(PROMPTS[1][0])["input_ids"]])
+        logits = dec.prefill(ids, [0])
+        for _ in range(NEW):
+            logits = dec.step(logits.argmax(-1, keepdim=True))
+        lens = [layer.length for layer in dec.cache.layers]
+        assert lens[:2] == [ids.shape[1] + NEW] * 2 and lens[2:] == [BUDGET, BUDGET]
+        with pytest.raises(EpiKVError, match="one at a time"):
+            dec.step(torch.ones(1, 3, dtype=torch.long))
+    ok = generate(tiny.model, tiny.tokenizer, PROMPTS[2], policy="knorm", budget=BUDGET, max_new_tokens=4,
+                  skip_layers=())
+    assert ok.stats["max_cache_tokens"] == BUDGET or ok.stats["evictions"] == 0
+
+
+def test_per_head_eviction_keeps_the_right_keys_and_frees_memory(tiny):
+    """Per-head keep sets differ per head, and each head's stored keys are exactly the full cache's at its keep."""
+    ids = torch.tensor([tiny.tokenizer("alpha beta gamma delta epsilon zeta eta theta iota")["input_ids"]])
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, "keydiff", 6, recent=1, protect_prompt=False)
+        ref = Decoder(tiny.model, "full", None)
+        seen = []
+        orig = dec.cache.evict
+        dec.cache.evict = lambda: seen.append(orig()) or seen[-1]
+        dec.prefill(ids, [0])
+        ref.prefill(ids, [0])
+    keep = seen[0]  # [batch, layers, kv_heads, budget]
+    assert keep.shape[-1] == 6 and not torch.equal(keep[0, :, 0], keep[0, :, 1])
+    for l, (mine, full) in enumerate(zip(dec.cache.layers, ref.cache.layers)):
+        assert mine.keys.shape[2] == 6
+        for h in range(mine.keys.shape[1]):
+            assert torch.equal(mine.keys[0, h], full.keys[0, h, keep[0, l, h]])
+
+
+def test_recomputed_queries_match_eager_attention(tiny):
+    """softmax(qK) from the recomputed rotated queries equals the eager attention weights of the newest token."""
+    from epikv.policies.snapkv import window_attention
+
+    model = tiny.model
+    got = {}
+
+    def grab(module, args, kwargs, out):
+        got["w"] = out[1]
+
+    ids = torch.tensor([tiny.tokenizer("the quick brown fox jumps over the lazy dog again")["input_ids"]])
+    with torch.inference_mode(), attention_for(model, get_policy("h2o")):
+        h = model.model.layers[1].self_attn.register_forward_hook(grab, with_kwargs=True)
+        try:
+            dec = Decoder(model, "snapkv", 1000, window=1, kernel=1)
+            dec.prefill(ids, [0])
+            dec.step(torch.tensor([[42]]))
+        finally:
+            h.remove()
+        imp = window_attention(dec.cache.view(), kernel=1)  # [1, layers, kv_heads, n]
+    eager = got["w"][0, :, -1].float()  # [heads, n]
+    pooled = eager.reshape(2, 2, -1).mean(1)
+    assert torch.allclose(imp[0, 1], pooled, atol=1e-5)
+
+
+def test_attention_policies_refuse_flash(tiny):
+    model = tiny.model
+    old = model.config._attn_implementation
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(EpiKVError, match="attention weights"):
+            with attention_for(model, get_policy("h2o")):
+                pass
+        with attention_for(model, get_policy("rkv")):  # recomputes q.K: no eager needed
+            assert model.config._attn_implementation == "flash_attention_2"
+    finally:
+        model.config._attn_implementation = old
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(EpiKVError, match="recent"):
+        get_policy("rkv", recent=4)
+    with pytest.raises(EpiKVError, match="ratio"):
+        get_policy("lagkv", ratio=1.5)
+    with pytest.raises(EpiKVError, match="lam"):
+        get_policy("rkv", lam=2.0)
