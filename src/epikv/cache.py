@@ -390,6 +390,23 @@ class EpiKVCache(Cache):
         self._stored_after_step = self.layers[self._ref].length
         return keep
 
+    def load_prefix(self, other: "EpiKVCache", n_tokens: int) -> None:
+        """Start this (fresh) cache as a copy of the first `n_tokens` stored tokens of `other`, batch row by row
+        the same, ready to continue at true position n_tokens. `other` must not have evicted (positions = slots):
+        a prefix reused by many continuations (occlusion windows, teacher forcing) costs one pass over it."""
+        if other.evictions:
+            raise EpiKVError("cannot fork a cache that has evicted: its slots are no longer positions")
+        if not 1 <= n_tokens <= other.get_seq_length():
+            raise EpiKVError(f"prefix of {n_tokens} tokens is outside the {other.get_seq_length()} stored")
+        batch = other.n_pad.shape[0]
+        self.begin([n_tokens] * batch)
+        for src, dst in zip(other.layers, self.layers):
+            dst.update(src.keys[:, :, :n_tokens], src.values[:, :, :n_tokens])  # copies into our own buffers
+        self.seen.fill_(n_tokens)
+        self.token_data = {"pos": other.token_data["pos"][..., :n_tokens].clone()}
+        self._stored_after_step = n_tokens
+        self.max_tokens = n_tokens
+
     # -- Cache API ---------------------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length

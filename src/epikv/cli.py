@@ -10,7 +10,7 @@ import sys
 from .errors import EpiKVError
 
 # Subcommand modules, in the order `epikv --help` lists them.
-COMMANDS = ["generate", "policies", "trace"]
+COMMANDS = ["generate", "policies", "trace", "anatomy"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    # The CLI speaks for itself: no transformers progress bars or advisory warnings on stderr.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -103,6 +103,13 @@ class Decoder:
             outs.append(logits)
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1]
 
+    def fork(self, n_tokens: int) -> "Decoder":
+        """A no-eviction Decoder continuing from a copy of this one's first `n_tokens` tokens (this one must not
+        have evicted). Prefix reuse for occlusion and teacher-forcing runs."""
+        dec = Decoder(self.model, "full", budget=None)
+        dec.cache.load_prefix(self.cache, n_tokens)
+        return dec
+
     def step(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Feed new tokens ids [batch, T] (all real); returns the last logits [batch, vocab] (or all)."""
         ids = ids.to(self.device)
