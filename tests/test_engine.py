@@ -263,6 +263,15 @@ def test_drop_in_cache_matches_engine(tiny):
         assert cache.evictions > 0 and cache.get_seq_length() <= 20 + tau - 1
 
 
+def test_drop_in_refuses_padded_batch(tiny):
+    tok = tiny.tokenizer
+    tok.padding_side = "left"
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    with pytest.raises(EpiKVError, match="padded batches"):
+        tiny.model.generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id,
+                            cache=EpiKVCache(tiny.model, "epikv", budget=64))
+
+
 def test_layer_override_changes_observation(tiny):
     assert get_policy("epikv").observes(32).hidden_layers == (10, 21)
     assert get_policy("epikv").observes(30).hidden_layers == (9, 20)
@@ -295,3 +304,17 @@ def test_bad_settings(tiny, kwargs, match):
 def test_empty_prompt(tiny):
     with pytest.raises(EpiKVError, match="empty prompt"):
         generate(tiny.model, tiny.tokenizer, "   ")
+
+
+def test_streamed_text_adds_up(smollm2):
+    """The streaming callback's pieces, joined, are the final text; the status numbers are live."""
+    pieces, caches = [], []
+
+    def on_step(info):
+        pieces.append(info.new_text)
+        caches.append(info.cache_tokens)
+
+    res = generate(smollm2.model, smollm2.tokenizer, "Write the numbers one to ten in words:", chat=True,
+                   budget=64, max_new_tokens=40, on_step=on_step)
+    assert "".join(pieces).strip() == res.texts[0].strip()
+    assert max(caches) <= 64 and len(pieces) == len(res.token_ids[0])

@@ -199,7 +199,7 @@ def _llama_rope(q, k, cos, sin):
 def _after_stack_hook(module, args, kwargs, output):
     cache = _cache_from(kwargs)
     if isinstance(cache, EpiKVCache):
-        cache._after_forward(kwargs.get("position_ids"))
+        cache._after_forward(kwargs.get("position_ids"), kwargs.get("attention_mask"))
 
 
 def _install_hook(module: torch.nn.Module, key: str, hook) -> None:
@@ -322,14 +322,19 @@ class EpiKVCache(Cache):
         return self._padded
 
     # -- the step ----------------------------------------------------------------------------------------------------
-    def _after_forward(self, position_ids: torch.Tensor | None) -> None:
+    def _after_forward(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> None:
         t = self.layers[self._ref].length - self._stored_after_step  # tokens this forward appended
         if self._pending is not None:
             valid, pos = self._pending
             self._pending = None
         else:  # model.generate: every token real, positions as generate passed them
             if self.n_pad is None:
-                self.begin([t])
+                b = position_ids.shape[0] if position_ids is not None else 1
+                if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+                    # generate() keeps its own full-length mask, which cannot follow our compaction
+                    raise EpiKVError("padded batches cannot use EpiKVCache inside model.generate: use "
+                                     "epikv.generate, which compacts the padding mask with the cache")
+                self.begin([t] * b)
             valid = torch.ones(self.n_pad.shape[0], t, dtype=torch.bool, device=self.home)
             pos = position_ids.to(self.home) if position_ids is not None else self.seen[:, None] + torch.arange(t, device=self.home)
             pos = pos.expand(valid.shape[0], -1)

@@ -227,7 +227,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
                 if on_step:
                     elapsed = time.perf_counter() - t0 - t_prefill
                     on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:],
-                                     new_text=tokenizer.decode(host_tokens[0][-1:], skip_special_tokens=True),
+                                     new_text=_new_text(tokenizer, host_tokens[0]),
                                      cache_tokens=dec.cache.get_seq_length(), evictions=dec.cache.evictions,
                                      tokens_per_s=(step + 1) / max(elapsed, 1e-9)))
                 if all(fin_host):
@@ -262,6 +262,16 @@ def _sync_rows(out, synced, n_done, host_tokens, eos, reasons, tokenizer, stop) 
                 reasons[i] = "stop"
         fin.append(reasons[i] != "length")
     return fin
+
+
+def _new_text(tokenizer, row: list[int]) -> str:
+    """Text the newest token adds, decoded with a little context so merged bytes and spaces come out right."""
+    if not row:
+        return ""
+    ctx = row[-8:]
+    full = tokenizer.decode(ctx, skip_special_tokens=True)
+    prev = tokenizer.decode(ctx[:-1], skip_special_tokens=True)
+    return full[len(prev):] if full.startswith(prev) else tokenizer.decode(ctx[-1:], skip_special_tokens=True)
 
 
 def _trim(row: list[int], eos: list[int]) -> list[int]:
