@@ -1,0 +1,58 @@
+"""`epikv retention`: what each policy's compressed cache loses on real reasoning traces (runs on a CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import EpiKVError
+from .common import add_model_args, add_policy_args, load, policy_settings, positive_int
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "retention", help="retention benchmark: answer NLL, top-1 agreement and KL against the full cache",
+        description="Stream reasoning traces through the model under each policy and budget (chunks of tau tokens), "
+                    "score the answer after </think> with teacher forcing, and compare every prediction with the full "
+                    "cache. Results are appended to OUT/results.jsonl (resumable); a table and plots go to OUT.")
+    p.add_argument("--traces", default=None,
+                   help="JSONL traces with id, problem, trace (default: reasoning_traces.jsonl in the data folder)")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N traces")
+    p.add_argument("--max-reasoning-tokens", type=positive_int, default=None,
+                   help="keep only the first N reasoning tokens before </think> (CPU-sized runs)")
+    p.add_argument("--max-answer-tokens", type=positive_int, default=None,
+                   help="score only the first N answer tokens after </think> (CPU-sized runs)")
+    p.add_argument("--system", default=None, help="system prompt of the chat-formatted problem (default: none)")
+    p.add_argument("--out", required=True, help="results folder (results.jsonl, retention.md, plots)")
+    p.add_argument("--no-report", action="store_true", help="do not render the table and plots at the end")
+    add_model_args(p)
+    add_policy_args(p, multi=True)
+    p.set_defaults(run=run, tau=16, policies=["full", "epikv", "lag-kv", "streaming", "random"],
+                   budgets=[256, 512, 1024])
+
+
+def run(args) -> int:
+    from ..data import data_dir
+    from ..retention.report import render_retention
+    from ..retention.runner import load_traces, run_retention
+    from ..retention.store import read_records
+
+    path = Path(args.traces) if args.traces else data_dir() / "reasoning_traces.jsonl"
+    rows = load_traces(path)
+    if args.limit:
+        rows = rows[: args.limit]
+    settings = {name: policy_settings(args, name) for name in args.policies}  # validates names first
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise EpiKVError(f"--out {out} exists and is not a folder")
+    lm = load(args)
+    summary = run_retention(lm.model, lm.tokenizer, rows, out, args.policies, args.budgets, tau=args.tau,
+                            max_reasoning_tokens=args.max_reasoning_tokens, system=args.system,
+                            max_answer_tokens=args.max_answer_tokens, model_name=args.model,
+                            settings_for=settings.__getitem__)
+    print(f"{summary['written']} records written, {summary['already_done']} already done, "
+          f"{len(summary['skipped_traces'])} traces skipped, {len(summary['failed'])} runs not possible "
+          f"-> {summary['results']}")
+    if not args.no_report:
+        written = render_retention(read_records(out / "results.jsonl"), out)
+        print("report: " + ", ".join(str(w) for w in written))
+    return 0

@@ -1,0 +1,243 @@
+"""Stream reasoning traces through the model under each policy and budget; compare with the full cache.
+
+Per trace: the chat-formatted problem is prefilled (protected), then reasoning (up to and including `</think>`)
+and answer are fed in chunks of tau tokens with all logits, the cache evicting after each chunk. The full cache
+runs once per trace (same chunks) and every (policy, budget) run is compared with it chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..data import read_jsonl
+from ..engine import Decoder, attention_for, encode_prompts
+from ..errors import EpiKVError
+from ..policies import get_policy
+from .metrics import Accumulator, Reference
+from .store import append_record, read_records
+
+THINK_END = "</think>"
+KIND = "retention"
+
+
+@dataclass
+class TraceItem:
+    id: str
+    prompt_ids: list[int]
+    reasoning_ids: list[int]  # ends with the tokens of `</think>`
+    answer_ids: list[int]
+    meta: dict
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.reasoning_ids + self.answer_ids
+
+
+def load_traces(path: str | Path) -> list[dict]:
+    rows = read_jsonl(path, required=("id",))
+    if not rows:
+        raise EpiKVError(f"{path} holds no traces")
+    return rows
+
+
+def prepare_traces(rows: Sequence[dict], tokenizer, max_reasoning_tokens: int | None = None,
+                   system: str | None = None, max_answer_tokens: int | None = None) -> tuple[list[TraceItem], list[tuple[str, str]]]:
+    """Tokenize traces; returns (items, skipped) where skipped lists (id, reason) for unusable traces.
+
+    max_reasoning_tokens keeps the first N tokens of the reasoning before `</think>` (the closing tag is kept);
+    max_answer_tokens scores only the first N answer tokens (CPU-sized runs)."""
+    items, skipped = [], []
+    for row in rows:
+        tid = str(row.get("id"))
+        trace, problem = row.get("trace"), row.get("problem")
+        if not isinstance(trace, str) or not isinstance(problem, str) or not problem.strip():
+            skipped.append((tid, "missing trace or problem text"))
+            continue
+        cut = trace.find(THINK_END)
+        if cut < 0:
+            skipped.append((tid, f"no {THINK_END} in the trace"))
+            continue
+        body, answer = trace[:cut], trace[cut + len(THINK_END):]
+        if not answer.strip():
+            skipped.append((tid, f"empty answer after {THINK_END}"))
+            continue
+        prompt_ids = encode_prompts(tokenizer, [problem], chat=True, system=system)[0]
+        body_ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+        if max_reasoning_tokens is not None:
+            body_ids = body_ids[:max_reasoning_tokens]
+        reasoning = body_ids + tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:max_answer_tokens]
+        meta = {k: row[k] for k in ("source_model", "is_correct") if k in row}
+        items.append(TraceItem(tid, list(prompt_ids), list(reasoning), list(answer_ids), meta))
+    return items, skipped
+
+
+def _stream(model, item: TraceItem, policy, budget: int | None, on_logits: Callable[[int, torch.Tensor], None]):
+    """Prefill the prompt, then feed the rest in chunks of policy.tau; on_logits(j, logits [T, vocab]) gets the
+    predictions of tokens P + j .. P + j + T - 1. Returns (forward seconds, cache stats, peak KV MiB)."""
+    ids = torch.tensor([item.ids])  # [1, N]
+    p, n, tau = len(item.prompt_ids), ids.shape[1], policy.tau
+    fwd = 0.0
+    with torch.inference_mode(), attention_for(model, policy):
+        dec = Decoder(model, policy, budget)
+        t0 = time.perf_counter()
+        last = dec.prefill(ids[:, :p], [0])  # [1, vocab], predicts token P
+        fwd += time.perf_counter() - t0
+        on_logits(0, last)
+        for s in range(p, n - 1, tau):  # the last token predicts nothing we score
+            e = min(s + tau, n - 1)
+            t0 = time.perf_counter()
+            logits = dec.step(ids[:, s:e], all_logits=True)[0]  # [T, vocab]
+            fwd += time.perf_counter() - t0
+            on_logits(s + 1 - p, logits)
+        stats = dec.cache.stats()
+        layer = dec.cache.layers[0]
+        per_token = 2 * layer.keys.shape[1] * layer.keys.shape[-1] * layer.keys.element_size() * dec.cache.n_layers
+    return fwd, stats, stats["max_cache_tokens"] * per_token / 2**20
+
+
+def _cuda_peak_reset(model) -> None:
+    if torch.cuda.is_available() and model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
+
+
+def _cuda_peak(model) -> float | None:
+    if torch.cuda.is_available() and model.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(model.device) / 2**20
+    return None
+
+
+def reference_pass(model, item: TraceItem, tau: int) -> Reference:
+    """The full cache's log-probabilities at every predicted position, streamed in the same chunks of tau."""
+    n_pred = len(item.reasoning_ids) + len(item.answer_ids)
+    chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(j: int, logits: torch.Tensor) -> None:
+        logp = torch.log_softmax(logits[: n_pred - j].float(), dim=-1)
+        chunks.append((logp, logp.argmax(-1)))
+
+    _cuda_peak_reset(model)
+    secs, stats, kv = _stream(model, item, get_policy("full", tau=tau), None, keep)
+    logp = torch.cat([c[0] for c in chunks])
+    return Reference(logp=logp, top1=torch.cat([c[1] for c in chunks]),
+                     targets=torch.tensor(item.reasoning_ids + item.answer_ids, device=logp.device),
+                     n_reasoning=len(item.reasoning_ids), seconds=secs,
+                     peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_cuda_peak(model))
+
+
+def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int | None, tau: int,
+                **settings) -> dict:
+    """Metrics of one (policy, budget) run on one trace against the reference."""
+    pol = get_policy(policy, tau=tau, **settings)
+    acc = Accumulator(ref)
+    _cuda_peak_reset(model)
+    secs, stats, kv = _stream(model, item, pol, budget if pol.evicts else None, acc.add)
+    out = acc.result()
+    out.update(seconds=secs, evictions=stats["evictions"], peak_cache_tokens=stats["max_cache_tokens"],
+               peak_kv_mib=kv, peak_mem_mib=_cuda_peak(model))
+    return out
+
+
+def reference_metrics(ref: Reference) -> dict:
+    """The full cache scored against itself (zero loss by construction, computed, not assumed)."""
+    acc = Accumulator(ref)
+    acc.add_logp(0, ref.logp)
+    out = acc.result()
+    out.update(seconds=ref.seconds, evictions=0, peak_cache_tokens=ref.peak_cache_tokens, peak_kv_mib=ref.peak_kv_mib,
+               peak_mem_mib=ref.peak_mem_mib)
+    return out
+
+
+def record_key(rec: dict) -> tuple:
+    return (rec["trace_id"], rec["policy"], rec["budget"], json.dumps(rec.get("settings") or {}, sort_keys=True))
+
+
+def _check_config(out_dir: Path, config: dict) -> None:
+    """One results folder holds one setting (model, tau, cap, prompt); policies and budgets may be added later."""
+    path = out_dir / "config.json"
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise EpiKVError(f"{path} is malformed; move it away or use another --out") from None
+        diff = [k for k in config if old.get(k) != config[k]]
+        if diff:
+            raise EpiKVError(f"{out_dir} holds a run with different {', '.join(diff)} "
+                             f"({', '.join(f'{k}={old.get(k)!r}' for k in diff)}); use another --out")
+    else:
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, policies: Sequence[str],
+                  budgets: Sequence[int], tau: int = 16, max_reasoning_tokens: int | None = None,
+                  system: str | None = None, max_answer_tokens: int | None = None, model_name: str = "", settings_for: Callable[[str], dict] | None = None,
+                  log: Callable[[str], None] | None = None) -> dict:
+    """Run every missing (trace, policy, budget) record, appending each to out_dir/results.jsonl.
+
+    `full` is run once per trace (budget null); other policies once per budget. Returns a summary dict."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    settings_for = settings_for or (lambda name: {})
+    if not isinstance(tau, int) or tau < 1:
+        raise EpiKVError(f"tau must be a positive integer, got {tau!r}")
+    for name in policies:
+        get_policy(name, tau=tau, **settings_for(name))  # unknown names and bad settings fail before any work
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_config(out_dir, {"model": model_name, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
+                            "max_answer_tokens": max_answer_tokens, "system": system})
+    results = out_dir / "results.jsonl"
+    done = {record_key(r) for r in read_records(results) if r.get("kind") == KIND}
+    items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
+    for tid, why in skipped:
+        log(f"skipped trace {tid}: {why}")
+    runs = [(name, None) if not get_policy(name).evicts else (name, b) for name in policies for b in budgets]
+    runs = list(dict.fromkeys(runs))  # `full` once, whatever the budgets
+    summary = {"written": 0, "already_done": 0, "skipped_traces": skipped, "failed": []}
+    total = len(items) * len(runs)
+    n = 0
+    for item in items:
+        todo = []
+        for name, b in runs:
+            s = settings_for(name)
+            key = (item.id, name, b, json.dumps(s, sort_keys=True))
+            if key in done:
+                summary["already_done"] += 1
+            else:
+                todo.append((name, b, s))
+        if not todo:
+            n += len(runs)
+            continue
+        ref = reference_pass(model, item, tau)
+        full_metrics = reference_metrics(ref)
+        for name, b, s in todo:
+            n += 1
+            base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau, "model": model_name,
+                    "max_reasoning_tokens": max_reasoning_tokens, "max_answer_tokens": max_answer_tokens, "settings": s,
+                    "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
+                    "answer_tokens": len(item.answer_ids), **item.meta}
+            t0 = time.perf_counter()
+            try:
+                m = dict(full_metrics) if name == "full" else policy_pass(model, item, ref, name, b, tau, **s)
+            except EpiKVError as e:  # e.g. a budget below the protected prompt: this record only
+                log(f"[{n}/{total}] {item.id} {name} K={b}: not run: {e}")
+                summary["failed"].append((item.id, name, b, str(e)))
+                continue
+            full_nll = full_metrics["answer_nll"]
+            rec = {**base, **m, "full_answer_nll": full_nll, "answer_nll_increase": m["answer_nll"] - full_nll,
+                   "wall_s": time.perf_counter() - t0,
+                   "tokens_per_s": (len(item.ids) - len(item.prompt_ids)) / max(m["seconds"], 1e-9)}
+            append_record(results, rec)
+            summary["written"] += 1
+            log(f"[{n}/{total}] {item.id} {name} K={b}: answer NLL +{rec['answer_nll_increase']:.4f}, "
+                f"top-1 {100 * rec['top1_agreement']:.1f}%, KL {rec['kl']:.4f} ({m['seconds']:.1f} s)")
+        del ref
+    summary["results"] = str(results)
+    return summary
+

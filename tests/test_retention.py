@@ -1,0 +1,171 @@
+"""Retention benchmark: exactness against full, tau = 1 against a token-by-token decode, CLI, resume, bad input."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from epikv.cli import main
+from epikv.engine import Decoder
+from epikv.errors import EpiKVError
+from epikv.retention.bootstrap import aggregate, bootstrap_ci
+from epikv.retention.runner import policy_pass, prepare_traces, reference_metrics, reference_pass, run_retention
+from epikv.retention.store import append_record, read_records
+
+STEPS = "".join(f"Step {i}: add {i} and {i + 3} to get {2 * i + 3}, then check it again carefully. " for i in range(12))
+GOOD = {"id": "synthetic/good", "problem": "Add the numbers step by step.",
+        "trace": "<think>\n" + STEPS + "\n</think>\nSo the final answer is \\boxed{27}, as checked above."}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # two threads on a shared, loaded 2-core machine spin against each other; one is many times faster
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def item(tiny):
+    items, skipped = prepare_traces([GOOD], tiny.tokenizer)
+    assert not skipped
+    return items[0]
+
+
+def test_split_at_think_end(tiny, item):
+    tok = tiny.tokenizer
+    assert tok.decode(item.reasoning_ids).endswith("</think>")
+    assert tok.decode(item.answer_ids).strip().startswith("So the final answer")
+    capped, _ = prepare_traces([GOOD], tok, max_reasoning_tokens=10, max_answer_tokens=5)
+    assert len(capped[0].reasoning_ids) == 10 + len(tok("</think>", add_special_tokens=False)["input_ids"])
+    assert len(capped[0].answer_ids) == 5
+
+
+def test_full_is_exact_and_large_budget_equals_full(tiny, item):
+    ref = reference_pass(tiny.model, item, tau=4)
+    full = reference_metrics(ref)
+    assert full["top1_agreement"] == 1.0 and full["kl"] == 0.0 and full["answer_kl"] == 0.0
+    n = len(item.ids)
+    for policy in ("epikv", "streaming"):
+        m = policy_pass(tiny.model, item, ref, policy, n + 10, tau=4)
+        assert m["evictions"] == 0
+        assert m["answer_nll"] == full["answer_nll"]  # bit-identical: zero increase
+        assert m["top1_agreement"] == 1.0 and m["kl"] == 0.0
+    small = policy_pass(tiny.model, item, ref, "epikv", 64, tau=4)
+    assert small["evictions"] > 0 and small["peak_cache_tokens"] <= 64 + 3
+    assert small["kl"] > 0 and small["answer_nll"] != full["answer_nll"]
+
+
+def _token_by_token(model, item, policy, budget):
+    """Reference decode: prefill the prompt, then one step per token (last-position logits only)."""
+    ids = torch.tensor([item.ids])
+    p, out = len(item.prompt_ids), []
+    with torch.inference_mode():
+        dec = Decoder(model, policy, budget, tau=1)
+        out.append(dec.prefill(ids[:, :p], [0])[0])
+        for s in range(p, ids.shape[1] - 1):
+            out.append(dec.step(ids[:, s : s + 1])[0])
+    return torch.log_softmax(torch.stack(out).float(), -1), dec.cache.evictions  # [R + A, vocab]
+
+
+def test_tau_one_equals_token_by_token_decode(tiny):
+    item = prepare_traces([GOOD], tiny.tokenizer, max_reasoning_tokens=90, max_answer_tokens=12)[0][0]
+    full_lp, _ = _token_by_token(tiny.model, item, "full", None)
+    pol_lp, evictions = _token_by_token(tiny.model, item, "epikv", 56)
+    assert evictions > 0
+    r = len(item.reasoning_ids)
+    tgt = torch.tensor(item.reasoning_ids + item.answer_ids)
+    kl = (full_lp.exp() * (full_lp - pol_lp)).sum(-1)
+    nll = -pol_lp.gather(-1, tgt[:, None]).squeeze(-1)
+    full_nll = -full_lp.gather(-1, tgt[:, None]).squeeze(-1)
+    agree = (pol_lp.argmax(-1) == full_lp.argmax(-1)).double()
+
+    ref = reference_pass(tiny.model, item, tau=1)
+    m = policy_pass(tiny.model, item, ref, "epikv", 56, tau=1)
+    assert m["kl"] == pytest.approx(float(kl[:r].mean()), rel=1e-4, abs=1e-7)
+    assert m["top1_agreement"] == pytest.approx(float(agree[:r].mean()))
+    assert m["answer_nll"] == pytest.approx(float(nll[r:].mean()), rel=1e-5)
+    assert reference_metrics(ref)["answer_nll"] == pytest.approx(float(full_nll[r:].mean()), rel=1e-5)
+    assert m["evictions"] == evictions
+
+
+def test_bootstrap_intervals():
+    mean, lo, hi = bootstrap_ci([0.1, 0.3, 0.2, 0.5, 0.4])
+    assert mean == pytest.approx(0.3) and lo < mean < hi and lo >= 0.1 and hi <= 0.5
+    assert bootstrap_ci([0.0, 0.0, 0.0]) == (0.0, 0.0, 0.0)
+    m1, lo1, hi1 = bootstrap_ci([0.7])
+    assert m1 == 0.7 and math.isnan(lo1) and math.isnan(hi1)
+    recs = [{"kind": "retention", "policy": "epikv", "budget": 64, "trace_id": str(i), "kl": v}
+            for i, v in enumerate([1.0, 2.0, 3.0])] + [{"kind": "eval", "policy": "x"}]
+    rows = aggregate(recs, metrics=("kl",))
+    assert len(rows) == 1 and rows[0]["n"] == 3 and rows[0]["kl"][0] == pytest.approx(2.0)
+
+
+def test_store_drops_torn_tail(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_record(path, {"a": 1})
+    with path.open("a") as f:
+        f.write('{"a": 2, "b"')  # killed mid-write
+    assert read_records(path) == [{"a": 1}]
+    append_record(path, {"a": 3})
+    assert read_records(path) == [{"a": 1}, {"a": 3}]
+
+
+def test_ci_sized_cli_run_and_resume(tmp_path, capsys):
+    out = tmp_path / "ret"
+    argv = ["retention", "--model", "random:tiny", "--limit", "2", "--max-reasoning-tokens", "300",
+            "--max-answer-tokens", "48", "--policies", "full,epikv,streaming", "--budgets", "128,256", "--out", str(out)]
+    t0 = time.perf_counter()
+    assert main(argv) == 0
+    assert time.perf_counter() - t0 < 45  # seconds on an idle 2-core CPU; slack for a shared one
+    recs = read_records(out / "results.jsonl")
+    assert len(recs) == 2 * (1 + 2 * 2)
+    assert {r["kind"] for r in recs} == {"retention"}
+    for r in recs:
+        assert r["reasoning_tokens"] <= 300 + 5 and r["answer_tokens"] <= 48
+        if r["policy"] == "full":
+            assert r["budget"] is None and r["answer_nll_increase"] == 0.0 and r["top1_agreement"] == 1.0
+        else:
+            assert r["evictions"] > 0 and r["top1_agreement"] < 1.0
+    for name in ("retention.md", "retention_summary.json", "retention_top1_agreement.png",
+                 "retention_answer_nll_increase.png", "retention_kl.png"):
+        assert (out / name).stat().st_size > 0
+    table = (out / "retention.md").read_text()
+    assert "| full | all | 2 |" in table and "| epikv | 128 | 2 |" in table
+    capsys.readouterr()
+    assert main(argv) == 0  # resume: nothing left to do
+    assert "0 records written, 10 already done" in capsys.readouterr().out
+    assert len(read_records(out / "results.jsonl")) == 10
+    bad = argv[:-2] + ["--tau", "4", "--out", str(out)]
+    assert main(bad) == 2
+    assert "different tau" in capsys.readouterr().err
+
+
+def test_bad_traces_are_skipped_by_id(tmp_path, tiny, capsys):
+    rows = [dict(GOOD, id="no-end", trace="<think>\nthinking but never closing"),
+            dict(GOOD, id="empty-answer", trace="<think>\nsome thought\n</think>\n  \n"), GOOD]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o"
+    assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv",
+                 "--budgets", "64", "--tau", "8", "--out", str(out), "--no-report"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped trace no-end: no </think>" in err and "skipped trace empty-answer: empty answer" in err
+    assert {r["trace_id"] for r in read_records(out / "results.jsonl")} == {"synthetic/good"}
+
+
+def test_bad_input_is_one_line_error(tmp_path, capsys):
+    assert main(["retention", "--model", "random:tiny", "--traces", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "nope",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'nope'" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(EpiKVError):
+        run_retention(None, None, [GOOD], tmp_path / "o2", ["epikv"], [64], tau=0)
