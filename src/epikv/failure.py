@@ -9,21 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (nested braces handled); None when there is no complete one."""
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        depth, i = 0, start + len("\\boxed")
-        for j in range(i, len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i + 1 : j]
-        start = text.rfind("\\boxed{", 0, start)  # unclosed: try an earlier one
-    return None
+from .eval.grading import last_boxed  # one answer extractor for grading and failure flags
 
 
 def repeated_tail(token_ids: Sequence[int], max_ngram: int = 64) -> tuple[int, int]:

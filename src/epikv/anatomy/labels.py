@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..eval.grading import last_boxed, last_number
 from ..engine import Decoder
 from ..errors import EpiKVError
 
@@ -135,20 +136,12 @@ def _answer_nll(dec: Decoder, before: torch.Tensor, answer: torch.Tensor) -> flo
     return float(-logp.gather(-1, answer[..., None]).mean())
 
 
-_BOXED = re.compile(r"\\boxed\s*\{")
-
-
 def extract_answer(text: str) -> str | None:
-    """Content of the last \\boxed{...} (braces balanced), else the last number; normalised for comparison."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if starts:
-        i, depth = starts[-1], 1
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return _norm(text[i:j])
-    nums = re.findall(r"-?\d[\d,]*\.?\d*", text)
-    return _norm(nums[-1]) if nums else None
+    """The last \\boxed{...} (the graders' extractor), else the last number; normalised for comparison."""
+    ans = last_boxed(text)
+    if ans is None:
+        ans = last_number(text)
+    return _norm(ans) if ans is not None else None
 
 
 def _norm(ans: str) -> str:
@@ -167,7 +160,7 @@ def _regenerate(dec: Decoder, before: torch.Tensor, tokenizer, eos: set[int], ma
         out.append(nxt)
         if len(out) % 8 == 0:
             text = tokenizer.decode(out, skip_special_tokens=True)
-            if _BOXED.search(text) and extract_answer(text) is not None and text.count("{") <= text.count("}"):
+            if last_boxed(text) is not None:
                 break
         logits = dec.step(torch.tensor([[nxt]], device=dec.device))
     text = tokenizer.decode(out, skip_special_tokens=True)

@@ -1,0 +1,107 @@
+"""`epikv eval`: accuracy sweeps (dataset x policies x budgets x samples), graded, resumable, local or on Ray."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import EpiKVError
+from .common import add_model_args, add_policy_args, load, nonneg_int, policy_settings, positive_int
+
+
+def shard_arg(text: str) -> tuple[int, int]:
+    """'i/n' with 0 <= i < n (SLURM_ARRAY_TASK_ID style, zero-based)."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shard like 0/4, got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"shard i/n needs 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="reasoning accuracy sweeps over policies and budgets",
+                       description="Generate, grade and record every (problem, policy, budget, sample) cell. "
+                                   "Rerunning the same command resumes; records go to OUT/records*.jsonl.")
+    p.add_argument("--dataset", required=True, help="math500 | aime2024 | aime2025 | gsm8k | PATH.jsonl")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with local copies of the named datasets (default: $EPIKV_DATA_DIR, else the hub)")
+    p.add_argument("--protocol", choices=["paper", "r1"], default="paper")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
+    p.add_argument("--samples", type=positive_int, default=1, help="samples per problem (r1 protocol: pass@1)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="token cap (default: the protocol's, e.g. 8192 MATH-500 / 16384 AIME for paper)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed of sample 0 (sample s uses seed+s)")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="problems decoded together (left padding)")
+    p.add_argument("--out", required=True, help="output directory (config.json + records*.jsonl)")
+    p.add_argument("--shard", type=shard_arg, default=None, help="run only shard i of n (0-based), e.g. 0/4")
+    p.add_argument("--executor", choices=["local", "ray"], default="local")
+    p.add_argument("--workers", type=positive_int, default=None, help="Ray workers (default: one per CPU/GPU)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local instance)")
+    p.add_argument("--gpus-per-worker", type=float, default=None, help="default 1 when --device is cuda, else 0")
+    p.add_argument("--no-text", action="store_true", help="do not store the generated text in the records")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads per process for torch (1 avoids oversubscription on a shared machine)")
+    add_model_args(p)
+    add_policy_args(p, multi=True)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..eval.datasets import DATASETS, load_dataset
+    from ..eval.prompts import get_protocol
+    from ..eval.report import summarize, table_text
+    from ..eval.records import read_records
+    from ..eval.runner import EvalSpec, prepare, run_local
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    protocol = get_protocol(args.protocol)
+    if args.samples > 1 and protocol.temperature == 0:
+        raise EpiKVError("--samples > 1 needs sampling: greedy samples are identical (use --protocol r1)")
+    settings = {pol: policy_settings(args, pol) for pol in args.policies}
+    ds = load_dataset(args.dataset, data_dir=args.data_dir)
+    fingerprint = ds.fingerprint()
+    ds.rows = ds.rows[: args.limit] if args.limit else ds.rows
+    named = DATASETS.get(args.dataset)
+    max_new = args.max_new_tokens or (named.max_new_tokens[protocol.name] if named else 8192)
+    model_kwargs = dict(dtype=args.dtype, device=args.device, device_map=args.device_map,
+                        attn_implementation=args.attn)
+    spec = EvalSpec(dataset=ds.name, integer=ds.integer, model=args.model, model_kwargs=model_kwargs,
+                    threads=args.threads,
+                    protocol=protocol, max_new_tokens=max_new, tau=args.tau, seed=args.seed, settings=settings,
+                    store_text=not args.no_text)
+    config = {
+        "dataset": ds.name, "data_fingerprint": fingerprint, "model": args.model, "dtype": args.dtype,
+        "protocol": protocol.name, "system": protocol.system, "temperature": protocol.temperature,
+        "top_p": protocol.top_p, "max_new_tokens": max_new, "seed": args.seed, "tau": args.tau,
+        "policy_args": {"recent": args.recent, "n_sink": args.n_sink, "no_protect_prompt": args.no_protect_prompt,
+                        "layers": list(args.layers) if args.layers else None,
+                        "bands": [list(b) for b in args.bands] if args.bands else None,
+                        "bands_file": args.bands_file},
+    }
+    out = Path(args.out)
+    lm = load(args)
+    plan = prepare(out, ds, spec, args.policies, args.budgets, args.samples, args.batch_size, args.shard,
+                   lm.tokenizer, config)
+    name = f"records-{args.shard[0]}of{args.shard[1]}.jsonl" if args.shard else "records.jsonl"
+    if not plan.batches:
+        print(f"{out}: every cell is already done")
+    elif args.executor == "ray":
+        from ..eval.ray_executor import run_ray
+
+        del lm  # the driver only plans; workers load their own copy
+        gpus = args.gpus_per_worker if args.gpus_per_worker is not None else \
+            (1.0 if (args.device or "").startswith("cuda") else 0.0)
+        n = run_ray(plan, out / name, workers=args.workers, address=args.ray_address, gpus_per_worker=gpus,
+                    quiet=args.quiet)
+        print(f"{out}: {n} generations on Ray")
+    else:
+        n = run_local(plan, lm, out / name, quiet=args.quiet)
+        print(f"{out}: {n} generations")
+    print(table_text(summarize(read_records(out))))
+    return 0

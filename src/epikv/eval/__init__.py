@@ -1,0 +1,1 @@
+"""Reasoning evaluation: datasets, prompts per protocol, grading, resumable records, executors and reports."""

@@ -1,0 +1,83 @@
+"""`--executor ray`: batches spread over a Ray cluster with a dynamic queue.
+
+One actor per worker loads the model once; the driver keeps every actor busy (a new batch as soon as one returns,
+since trace lengths vary ten-fold) and writes the records itself, exactly as the local executor does. Ray is an
+optional extra: `pip install epikv[ray]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import EpiKVError
+from .records import RecordWriter
+from .runner import Plan, Progress, run_batch
+
+
+class _Worker:
+    def __init__(self, spec, problems, worker_id: str):
+        import os
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from ..models import load_model
+
+        if spec.threads:
+            import torch
+
+            torch.set_num_threads(spec.threads)
+
+        self.spec, self.problems, self.worker_id = spec, problems, worker_id
+        self.lm = load_model(spec.model, **spec.model_kwargs)
+
+    def run(self, batch):
+        return run_batch(self.lm, self.spec, self.problems, batch, executor="ray", worker=self.worker_id)
+
+
+def run_ray(plan: Plan, records_path: Path, workers: int | None = None, address: str | None = None,
+            gpus_per_worker: float = 0.0, cpus_per_worker: float = 1.0, quiet: bool = False) -> int:
+    try:
+        import ray
+    except ImportError:
+        raise EpiKVError("--executor ray needs Ray: pip install 'epikv[ray]' (or pip install ray)") from None
+    if not plan.batches:
+        return 0
+    started = False
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        started = True
+    try:
+        if workers is None:
+            res = ray.cluster_resources()
+            workers = int(res.get("GPU", 0) // gpus_per_worker) if gpus_per_worker else \
+                int(res.get("CPU", 1) // cpus_per_worker)
+        workers = max(1, min(workers, len(plan.batches)))
+        actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(_Worker)
+        problems_ref = ray.put(plan.problems)
+        pool = [actor.remote(plan.spec, problems_ref, str(i)) for i in range(workers)]
+        queue = list(plan.batches)
+        bar = Progress(plan.n_cells, quiet)
+        running = {}
+        n = 0
+        with RecordWriter(records_path) as w:
+            for a in pool:  # fill every worker, then refill whichever finishes first
+                if queue:
+                    b = queue.pop(0)
+                    running[a.run.remote(b)] = (a, b)
+            while running:
+                ready, _ = ray.wait(list(running), num_returns=1)
+                a, b = running.pop(ready[0])
+                recs = ray.get(ready[0])
+                bar.start(b)
+                for r in recs:
+                    w.write(r)
+                n += len(recs)
+                bar.update(recs)
+                if queue:
+                    nb = queue.pop(0)
+                    running[a.run.remote(nb)] = (a, nb)
+        bar.close()
+        for a in pool:
+            ray.kill(a)
+        return n
+    finally:
+        if started:
+            ray.shutdown()
