@@ -169,3 +169,21 @@ def test_bad_input_is_one_line_error(tmp_path, capsys):
     assert "unknown policy 'nope'" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(EpiKVError):
         run_retention(None, None, [GOOD], tmp_path / "o2", ["epikv"], [64], tau=0)
+
+
+def test_report_command_renders_retention(tmp_path, capsys):
+    """`epikv report` recognises a retention directory (the committed run's records) and renders it."""
+    import shutil
+    from pathlib import Path
+
+    from epikv.cli import main
+
+    src = tmp_path / "ret"
+    src.mkdir()
+    shutil.copy(Path(__file__).parents[1] / "benchmarks/results/retention/results.jsonl", src / "results.jsonl")
+    out = tmp_path / "rep"
+    assert main(["report", str(src), "--out", str(out)]) == 0
+    md = (out / "retention.md").read_text()
+    assert "| epikv | 256 | 4 |" in md and "| full |" in md
+    assert (out / "retention_top1_agreement.png").stat().st_size > 5000
+    assert "retention:" in capsys.readouterr().out

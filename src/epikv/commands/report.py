@@ -1,4 +1,4 @@
-"""`epikv report`: markdown + CSV tables and PNG plots from one or more `epikv eval` output directories."""
+"""`epikv report`: markdown + CSV tables and PNG plots from `epikv eval` and `epikv retention` output directories."""
 
 from __future__ import annotations
 
@@ -7,16 +7,33 @@ def register(sub) -> None:
     p = sub.add_parser("report", help="tables and plots from eval output directories",
                        description="Merge the records of one or more `epikv eval` directories into report.md, "
                                    "report.csv, accuracy_vs_budget.png and speed_vs_budget.png.")
-    p.add_argument("dirs", nargs="+", help="eval output directories")
+    p.add_argument("dirs", nargs="+", help="eval or retention output directories")
     p.add_argument("--out", default=None, help="where to write the report (default: the first directory)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from ..eval.report import merge, summarize, table_text, write_report
+    from pathlib import Path
 
-    paths = write_report(args.dirs, args.out)
-    print(table_text(summarize(merge(args.dirs)[0])))
+    from ..errors import EpiKVError
+    from ..eval.report import merge, summarize, table_text, write_report
+    from ..retention.report import render_retention
+    from ..retention.store import read_records
+
+    for d in args.dirs:
+        if not Path(d).is_dir():
+            raise EpiKVError(f"{d} is not a directory")
+    # a retention run keeps its records in results.jsonl with "kind": "retention"
+    retention = [d for d in args.dirs if (Path(d) / "results.jsonl").exists()]
+    evals = [d for d in args.dirs if d not in retention]
+    if retention:
+        records = [r for d in retention for r in read_records(Path(d) / "results.jsonl")]
+        for path in render_retention(records, args.out or retention[0]):
+            print(f"retention: {path}")
+    if not evals:
+        return 0
+    paths = write_report(evals, args.out)
+    print(table_text(summarize(merge(evals)[0])))
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 0
