@@ -162,7 +162,7 @@ def test_compaction_moves_only_the_tail_and_matches_a_gather(batch, heads_keep, 
         rows.append(torch.cat([torch.arange(first_evicted), rest.sort().values]))
     keep = torch.stack(rows).view(batch, 2 if heads_keep else 1, k)  # [batch, 1 or heads, K]
     idx = keep.expand(batch, 2, k)
-    layer.compact(keep if heads_keep else keep[:, 0], target_capacity=64)
+    layer.compact(keep if heads_keep else keep[:, 0], target_capacity=64, start=first_evicted)  # slots before stay
     assert layer.length == k and layer.capacity == 64
     assert torch.equal(layer.keys, keys.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, 8)))
     assert torch.equal(layer.values, values.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, 4)))

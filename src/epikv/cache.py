@@ -72,19 +72,16 @@ class BufferLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def compact(self, keep: torch.Tensor, target_capacity: int) -> None:
-        """Keep the slots `keep` ([batch, K] for every head, or [batch, kv_heads, K]) in this order."""
+    def compact(self, keep: torch.Tensor, target_capacity: int, start: int = 0) -> None:
+        """Keep the slots `keep` ([batch, K] for every head, or [batch, kv_heads, K]) in this order.
+        `start`: slots before it are kept in place (keep[..., :start] is the identity), so only the tail moves."""
         if keep.dim() == 2:
             keep = keep.unsqueeze(1)  # [batch, 1, K]
         b, h, _, dk = self._kbuf.shape
         k_new = keep.shape[-1]
         shrink = self.capacity > 2 * target_capacity  # release memory the budget no longer needs
-        start = 0
-        if keep.device.type == "cpu" and not shrink:
-            # Slots before the first evicted one stay put: move only the tail (about half the cache at tau = 1).
-            # Reading that index is free on the CPU; on an accelerator it would be a host sync, so all slots move.
-            moved = (keep != torch.arange(k_new)).flatten(0, -2).any(0)  # [K]
-            start = int(moved.int().argmax()) if bool(moved.any()) else k_new
+        if shrink:
+            start = 0
         tail = keep[..., start:]
         kept_k, kept_v = _take(self.keys, tail), _take(self.values, tail)
         if shrink:
@@ -374,6 +371,12 @@ class EpiKVCache(Cache):
         view = self.view()
         keep = select_keep(self.policy.scores(self.state, view), view)  # [batch, K] or [batch, layers, heads, K]
         per_head = keep.dim() == 4
+        start = 0
+        if keep.device.type == "cpu":
+            # Slots before the first evicted one stay put and only the tail moves (about half the cache at tau = 1).
+            # Reading that index is free on the CPU; on an accelerator it would be a host sync, so all slots move.
+            moved = (keep != torch.arange(keep.shape[-1])).flatten(0, -2).any(0)  # [K]
+            start = int(moved.int().argmax()) if bool(moved.any()) else keep.shape[-1]
         on_dev: dict[torch.device, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             dev = layer.device
@@ -381,7 +384,7 @@ class EpiKVCache(Cache):
                 on_dev[dev] = keep.to(dev, non_blocking=True)
             if i in self._full_layers:
                 continue
-            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self.budget + self.tau)
+            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self.budget + self.tau, start)
         first = keep[:, self._ref, 0] if per_head else keep  # [batch, K]
         for key, x in self.token_data.items():
             # per-token data [batch, n] follows layer 0 / head 0 under per-head keeps; [batch, layers, heads, n]
