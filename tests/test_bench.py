@@ -169,3 +169,29 @@ def test_compaction_moves_only_the_tail_and_matches_a_gather(batch, heads_keep, 
     before = layer.keys.clone()
     layer.compact(torch.arange(k - 1)[None].expand(batch, k - 1), target_capacity=k)  # shrinks: 64 > 2 * 30
     assert layer.capacity == k and torch.equal(layer.keys, before[:, :, : k - 1])
+
+
+@pytest.mark.parametrize("evicted", [[3], [36], [0, 1], [39, 40], [5, 20, 33], list(range(2, 14))])
+def test_compaction_moves_the_shorter_side(evicted):
+    """With the back run still, the head shifts right (the offset advances); both sides give the plain gather, and
+    later appends land after the kept run."""
+    from epikv.cache import BufferLayer
+
+    n = 41
+    keys, values = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 4)
+    layer = BufferLayer(60)
+    layer.update(keys, values)
+    keep = torch.tensor([[i for i in range(n) if i not in evicted]])
+    k = keep.shape[-1]
+    start = min(evicted)
+    still = n - 1 - max(evicted)
+    layer.compact(keep, target_capacity=60, start=start, still=still)
+    assert layer.off == (n - k if still > start else 0)
+    ref_k = keys[:, :, keep[0]]
+    assert torch.equal(layer.keys, ref_k) and torch.equal(layer.values, values[:, :, keep[0]])
+    for step in range(20):  # appends past the end of the buffer rebase the run to offset 0
+        new_k, new_v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 4)
+        layer.update(new_k, new_v)
+        ref_k = torch.cat([ref_k, new_k], dim=2)
+        assert torch.equal(layer.keys, ref_k) and layer.capacity == 60
+    assert layer.off + layer.length <= 60

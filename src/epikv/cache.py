@@ -30,6 +30,7 @@ class BufferLayer(DynamicLayer):
         super().__init__()
         self.capacity_hint = max(1, capacity)
         self.length = 0
+        self.off = 0  # first used slot: eviction may shift the kept run right instead of moving the tail left
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
 
@@ -39,18 +40,20 @@ class BufferLayer(DynamicLayer):
         self._allocate(max(self.capacity_hint, key_states.shape[-2]), key_states, value_states)
 
     def _allocate(self, capacity: int, k_like: torch.Tensor, v_like: torch.Tensor) -> None:
+        """New buffers of `capacity` slots holding the used slots at offset 0."""
         b, h, _, dk = k_like.shape
         kbuf = k_like.new_empty(b, h, capacity, dk)
         vbuf = v_like.new_empty(b, h, capacity, v_like.shape[-1])
         if self.length:
-            kbuf[:, :, : self.length].copy_(self._kbuf[:, :, : self.length])
-            vbuf[:, :, : self.length].copy_(self._vbuf[:, :, : self.length])
-        self._kbuf, self._vbuf = kbuf, vbuf
+            kbuf[:, :, : self.length].copy_(self.keys)
+            vbuf[:, :, : self.length].copy_(self.values)
+        self._kbuf, self._vbuf, self.off = kbuf, vbuf, 0
         self._refresh_views()
 
     def _refresh_views(self) -> None:
-        self.keys = self._kbuf[:, :, : self.length]  # [batch, kv_heads, length, head_dim]
-        self.values = self._vbuf[:, :, : self.length]
+        end = self.off + self.length
+        self.keys = self._kbuf[:, :, self.off : end]  # [batch, kv_heads, length, head_dim]
+        self.values = self._vbuf[:, :, self.off : end]
 
     @property
     def capacity(self) -> int:
@@ -61,10 +64,13 @@ class BufferLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
         need = self.length + t
-        if need > self.capacity:
-            self._allocate(max(need, 2 * self.capacity), key_states, value_states)
-        self._kbuf[:, :, self.length : need].copy_(key_states)
-        self._vbuf[:, :, self.length : need].copy_(value_states)
+        if self.off + need > self.capacity:
+            # no room after the used run: back to offset 0 (amortised: the slack is a quarter of the budget), or grow
+            self._allocate(self.capacity if need <= self.capacity else max(need, 2 * self.capacity),
+                           key_states, value_states)
+        end = self.off + self.length
+        self._kbuf[:, :, end : end + t].copy_(key_states)
+        self._vbuf[:, :, end : end + t].copy_(value_states)
         self.length = need
         self._refresh_views()
         return self.keys, self.values
@@ -72,28 +78,41 @@ class BufferLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def compact(self, keep: torch.Tensor, target_capacity: int, start: int = 0) -> None:
+    def compact(self, keep: torch.Tensor, target_capacity: int, start: int = 0, still: int = 0) -> None:
         """Keep the slots `keep` ([batch, K] for every head, or [batch, kv_heads, K]) in this order.
-        `start`: slots before it are kept in place (keep[..., :start] is the identity), so only the tail moves."""
+
+        Either side of the evicted slots may stay in place: `start` kept slots at the front (keep[..., :start] is
+        the identity) or `still` at the back (keep[..., K - still:] are the last slots). Only the shorter rest moves:
+        the tail left, or the head right with the offset advancing (about a quarter of the cache on average at
+        tau = 1, instead of a half)."""
         if keep.dim() == 2:
             keep = keep.unsqueeze(1)  # [batch, 1, K]
-        b, h, _, dk = self._kbuf.shape
+        b, h, n_old, dk = self.keys.shape
         k_new = keep.shape[-1]
-        shrink = self.capacity > 2 * target_capacity  # release memory the budget no longer needs
-        if shrink:
-            start = 0
-        tail = keep[..., start:]
-        kept_k, kept_v = _take(self.keys, tail), _take(self.values, tail)
-        if shrink:
+        if self.capacity > 2 * target_capacity:  # release memory the budget no longer needs: move everything
+            kept_k, kept_v = _take(self.keys, keep), _take(self.values, keep)
             self._kbuf = kept_k.new_empty(b, h, target_capacity, dk)
             self._vbuf = kept_v.new_empty(b, h, target_capacity, self._vbuf.shape[-1])
-        self._kbuf[:, :, start:k_new].copy_(kept_k)
-        self._vbuf[:, :, start:k_new].copy_(kept_v)
+            self.off = 0
+            self._kbuf[:, :, :k_new].copy_(kept_k)
+            self._vbuf[:, :, :k_new].copy_(kept_v)
+        elif still > start:  # the back stays: shift the head right, the run now starts later
+            head = keep[..., : k_new - still]
+            kept_k, kept_v = _take(self.keys, head), _take(self.values, head)
+            self.off += n_old - k_new
+            self._kbuf[:, :, self.off : self.off + head.shape[-1]].copy_(kept_k)
+            self._vbuf[:, :, self.off : self.off + head.shape[-1]].copy_(kept_v)
+        else:  # the front stays: move the tail left
+            tail = keep[..., start:]
+            kept_k, kept_v = _take(self.keys, tail), _take(self.values, tail)
+            a = self.off + start
+            self._kbuf[:, :, a : self.off + k_new].copy_(kept_k)
+            self._vbuf[:, :, a : self.off + k_new].copy_(kept_v)
         self.length = k_new
         self._refresh_views()
 
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.off = 0
         self._kbuf = self._vbuf = None
         self.keys = self.values = None
         self.is_initialized = False
@@ -250,8 +269,9 @@ class EpiKVCache(Cache):
         if len(self._full_layers) >= self.n_layers:
             raise EpiKVError(f"{self.policy.name}: at least one layer must be compressed")
         self._ref = min(set(range(self.n_layers)) - self._full_layers)
-        cap = (self.budget + self.tau) if self.budget else 256
-        super().__init__(layers=[BufferLayer(cap) for _ in range(self.n_layers)])
+        # budget + tau slots, plus slack so the kept run can drift right before it is moved back to offset 0
+        self._capacity = (self.budget + self.tau + max(16, self.budget // 4)) if self.budget else 256
+        super().__init__(layers=[BufferLayer(self._capacity) for _ in range(self.n_layers)])
         self.home = model.get_input_embeddings().weight.device
         for l in obs.hidden_layers:
             _install_hook(layers[l], "hidden", _hidden_hook(l))
@@ -371,12 +391,15 @@ class EpiKVCache(Cache):
         view = self.view()
         keep = select_keep(self.policy.scores(self.state, view), view)  # [batch, K] or [batch, layers, heads, K]
         per_head = keep.dim() == 4
-        start = 0
+        start = still = 0
         if keep.device.type == "cpu":
-            # Slots before the first evicted one stay put and only the tail moves (about half the cache at tau = 1).
-            # Reading that index is free on the CPU; on an accelerator it would be a host sync, so all slots move.
-            moved = (keep != torch.arange(keep.shape[-1])).flatten(0, -2).any(0)  # [K]
-            start = int(moved.int().argmax()) if bool(moved.any()) else keep.shape[-1]
+            # Kept runs that need not move: slots before the first evicted one, and after the last one. Reading them
+            # is free on the CPU; on an accelerator it would be a host sync, so there every slot moves.
+            k, n_old = keep.shape[-1], view.length
+            front = (keep == torch.arange(k)).flatten(0, -2).all(0)  # [K]
+            back = (keep == torch.arange(n_old - k, n_old)).flatten(0, -2).all(0)
+            start = k if bool(front.all()) else int((~front).int().argmax())
+            still = k if bool(back.all()) else int((~back).int().flip(0).argmax())  # trailing run
         on_dev: dict[torch.device, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             dev = layer.device
@@ -384,7 +407,7 @@ class EpiKVCache(Cache):
                 on_dev[dev] = keep.to(dev, non_blocking=True)
             if i in self._full_layers:
                 continue
-            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self.budget + self.tau, start)
+            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self._capacity, start, still)
         first = keep[:, self._ref, 0] if per_head else keep  # [batch, K]
         for key, x in self.token_data.items():
             # per-token data [batch, n] follows layer 0 / head 0 under per-head keeps; [batch, layers, heads, n]
