@@ -102,6 +102,8 @@ def no_decoder_model(tmp_path_factory):
     (["--prompt-file", "/nonexistent.txt"], "cannot read"),
     (["--top-p", "1.5"], "top-p"),
     (["--bands-file", "/nonexistent.json"], "does not exist"),
+    (["--attn", "flash_attention_2"], "not available"),
+    (["--attn", "bogus"], "not available"),
 ])
 def test_generate_bad_input(capsys, argv, needle):
     base = ["generate", "--model", "random:tiny", "--max-new-tokens", "4"]

@@ -166,7 +166,11 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str | torch.dtype | None = N
             raise EpiKVError(f"cannot load model {name!r}: {first}") from None
         if device and device_map is None:
             model.to(device)
-    model.set_attn_implementation(attn_implementation)
+    try:
+        model.set_attn_implementation(attn_implementation)
+    except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without the flash-attn package or a GPU
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EpiKVError(f"attention implementation {attn_implementation!r} is not available: {first}") from None
     model.eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
