@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    p = sub.add_parser("report", help="tables and plots from eval output directories",
+    p = sub.add_parser("report", help="tables and plots from eval and retention output directories",
                        description="Merge the records of one or more `epikv eval` directories into report.md, "
                                    "report.csv, accuracy_vs_budget.png and speed_vs_budget.png.")
     p.add_argument("dirs", nargs="+", help="eval or retention output directories")
