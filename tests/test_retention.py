@@ -184,6 +184,6 @@ def test_report_command_renders_retention(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", str(src), "--out", str(out)]) == 0
     md = (out / "retention.md").read_text()
-    assert "| epikv | 256 | 4 |" in md and "| full |" in md
+    assert "| epikv | 256 |" in md and "| full |" in md and "| h2o | 512 |" in md
     assert (out / "retention_top1_agreement.png").stat().st_size > 5000
     assert "retention:" in capsys.readouterr().out
