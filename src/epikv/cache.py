@@ -309,6 +309,7 @@ class EpiKVCache(Cache):
             what = "prompt" if self.policy.protect_prompt else "sink tokens"
             raise EpiKVError(f"budget {self.budget} is smaller than what is protected: {max(prot)} {what} + "
                              f"{self.recent} recent tokens; raise the budget or shorten the prompt")
+        self._padded = any(n_pad)  # host-side, from the prompt layout: no device sync per step
         self.n_pad = torch.tensor(n_pad, device=self.home)
         self.n_protect = torch.tensor(prot, device=self.home)
         self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
@@ -326,17 +327,11 @@ class EpiKVCache(Cache):
         pos = self.seen[:, None] + valid.long().cumsum(-1) - 1
         pos = pos.clamp(min=0)
         self._pending = (valid, pos)
-        if not self._has_padding(valid):
+        if not self._padded:
             return None, pos
         n = self.get_seq_length()
         stored = torch.arange(n, device=self.home)[None, :] >= self.n_pad[:, None]
         return torch.cat([stored, valid], dim=1).long(), pos
-
-    def _has_padding(self, valid: torch.Tensor) -> bool:
-        # host-side flag set once from the prompt layout, so no device sync per step
-        if not hasattr(self, "_padded"):
-            self._padded = bool((~valid).any())
-        return self._padded
 
     # -- the step ----------------------------------------------------------------------------------------------------
     def _after_forward(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> None:
