@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import EpiKVError
+from ..plots import budget_axes
 from .records import cell_key, read_config, read_records
 
 COLUMNS = ["dataset", "model", "protocol", "policy", "budget", "problems", "generations", "accuracy", "ci_low",
@@ -150,16 +151,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                     ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=pol)
                 else:
                     ax.plot(xs, ys, marker="o", label=pol)
-            ax.set_xscale("log", base=2)
-            ks = sorted({r["budget"] for r in sub if r["budget"] is not None})
-            if ks:  # label the budgets actually run, in plain numbers
-                ax.set_xticks(ks, [str(k) for k in ks])
-                ax.minorticks_off()
-            ax.set_xlabel("cache budget K (tokens)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{ds} / {model} ({proto})", fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            budget_axes(ax, [r["budget"] for r in sub if r["budget"] is not None], ylabel, f"{ds} / {model} ({proto})")
         fig.tight_layout()
         path = out / fname
         fig.savefig(path, dpi=120)

@@ -43,6 +43,8 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..plots import budget_axes
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -57,14 +59,7 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
         lo = [r[metric][0] - r[metric][1] if not math.isnan(r[metric][1]) else 0 for r in pr]
         hi = [r[metric][2] - r[metric][0] if not math.isnan(r[metric][2]) else 0 for r in pr]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=4, capsize=3, label=policy)
-    if budgets:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_xlabel("cache budget K (tokens)")
-    ax.set_ylabel(label)
-    ax.set_title(f"{label}\n(mean over traces, 95% bootstrap CI)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    budget_axes(ax, budgets, label, f"{label}\n(mean over traces, 95% bootstrap CI)", legend_size=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
