@@ -10,7 +10,8 @@ import torch
 from epikv.cli import main
 from epikv.engine import Decoder
 from epikv.errors import EpiKVError
-from epikv.retention.bootstrap import aggregate, bootstrap_ci
+from epikv.retention.bootstrap import aggregate, bootstrap_ci, paired
+from epikv.retention.report import grid, paired_table
 from epikv.retention.runner import policy_pass, prepare_traces, reference_metrics, reference_pass, run_retention
 from epikv.retention.store import append_record, read_records
 
@@ -104,6 +105,42 @@ def test_bootstrap_intervals():
     assert len(rows) == 1 and rows[0]["n"] == 3 and rows[0]["kl"][0] == pytest.approx(2.0)
 
 
+def _rec(policy, budget, trace, **metrics):
+    return {"kind": "retention", "policy": policy, "budget": budget, "trace_id": trace, **metrics}
+
+
+def test_paired_differences_are_per_trace_on_common_traces():
+    ref = [0.5, 1.0, 2.0, 4.0]  # the traces differ far more than the policies do
+    recs = [_rec("epikv", 64, str(i), answer_nll_increase=v, top1_agreement=0.9) for i, v in enumerate(ref)]
+    recs += [_rec("a", 64, str(i), answer_nll_increase=v - 0.1, top1_agreement=0.95) for i, v in enumerate(ref)]
+    # b: only traces 0-2, worse by 0.2 on two of them, better by 0.1 on one
+    recs += [_rec("b", 64, str(i), answer_nll_increase=ref[i] + d, top1_agreement=0.8) for i, d in
+             enumerate([0.2, 0.2, -0.1])]
+    recs += [_rec("full", None, "0", answer_nll_increase=0.0), _rec("c", 128, "0", answer_nll_increase=0.0)]
+    rows = {r["policy"]: r for r in paired(recs, "epikv")}
+    assert set(rows) == {"a", "b"}  # no reference at budget 128; `full` has no budget
+    a, b = rows["a"], rows["b"]
+    assert (a["n"], a["better"]) == (4, 4) and a["diff"] == pytest.approx((-0.1, -0.1, -0.1))
+    assert (b["n"], b["better"]) == (3, 1) and b["diff"][0] == pytest.approx(0.1)
+    # higher is better for agreement
+    top1 = {r["policy"]: r for r in paired(recs, "epikv", "top1_agreement")}
+    assert top1["a"]["better"] == 4 and top1["b"]["better"] == 0
+    table = paired_table(recs, "epikv", "answer_nll_increase")
+    assert "| a | -0.1000 [-0.1000, -0.1000], better on 4/4 |" in table
+    assert paired_table(recs, "absent", "answer_nll_increase") == ""
+
+
+def test_grid_orders_policies_best_first():
+    recs = [_rec(p, b, str(i), answer_nll_increase=v * b / 64, top1_agreement=1 - v)
+            for p, v in (("worst", 0.3), ("best", 0.1), ("mid", 0.2)) for b in (64, 128) for i in range(3)]
+    rows = aggregate(recs)
+    nll = grid(rows, "answer_nll_increase").splitlines()
+    assert [l.split(" | ")[0] for l in nll[2:]] == ["| best", "| mid", "| worst"]
+    assert nll[0] == "| policy | K = 64 | K = 128 |" and "| best | 0.1000 [0.1000, 0.1000] (3) | 0.2000" in nll[2]
+    top1 = grid(rows, "top1_agreement", pct=True).splitlines()
+    assert top1[2].startswith("| best | 90.0 [90.0, 90.0] (3)")
+
+
 def test_store_drops_torn_tail(tmp_path):
     path = tmp_path / "r.jsonl"
     append_record(path, {"a": 1})
@@ -185,5 +222,6 @@ def test_report_command_renders_retention(tmp_path, capsys):
     assert main(["report", str(src), "--out", str(out)]) == 0
     md = (out / "retention.md").read_text()
     assert "| epikv | 256 |" in md and "| full |" in md and "| h2o | 512 |" in md
+    assert "## Paired against epikv" in md and "| h2o | " in md.split("## Paired against epikv")[1]
     assert (out / "retention_top1_agreement.png").stat().st_size > 5000
     assert "retention:" in capsys.readouterr().out

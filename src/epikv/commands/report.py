@@ -9,6 +9,8 @@ def register(sub) -> None:
                                    "report.csv, accuracy_vs_budget.png and speed_vs_budget.png.")
     p.add_argument("dirs", nargs="+", help="eval or retention output directories")
     p.add_argument("--out", default=None, help="where to write the report (default: the first directory)")
+    p.add_argument("--reference", default="epikv", metavar="POLICY",
+                   help="retention: the policy every other is compared with, paired on common traces (default epikv)")
     p.set_defaults(run=run)
 
 
@@ -28,7 +30,7 @@ def run(args) -> int:
     evals = [d for d in args.dirs if d not in retention]
     if retention:
         records = [r for d in retention for r in read_records(Path(d) / "results.jsonl")]
-        for path in render_retention(records, args.out or retention[0]):
+        for path in render_retention(records, args.out or retention[0], reference=args.reference):
             print(f"retention: {path}")
     if not evals:
         return 0

@@ -10,6 +10,8 @@ from collections import defaultdict
 import numpy as np
 
 METRICS = ("answer_nll_increase", "top1_agreement", "kl", "answer_nll", "seconds", "peak_cache_tokens")
+# the direction in which a metric is better, for paired comparisons
+LOWER_IS_BETTER = {"answer_nll_increase": True, "top1_agreement": False, "kl": True, "answer_nll": True}
 
 
 def bootstrap_ci(values, confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -43,4 +45,37 @@ def aggregate(records, metrics=METRICS, confidence: float = 0.95, n_resamples: i
         for m in metrics:
             row[m] = bootstrap_ci([r.get(m) for r in recs], confidence, n_resamples)
         rows.append(row)
+    return rows
+
+
+def per_trace(records, metric: str) -> dict[tuple, dict[str, float]]:
+    """{(policy, budget): {trace_id: value}} for the retention records that carry `metric`."""
+    out: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in records:
+        if r.get("kind") == "retention" and r.get(metric) is not None:
+            out[(r["policy"], r["budget"])][r["trace_id"]] = float(r[metric])
+    return out
+
+
+def paired(records, reference: str, metric: str = "answer_nll_increase", confidence: float = 0.95,
+           n_resamples: int = 2000) -> list[dict]:
+    """Each policy minus `reference` at the same budget, on the traces both have (a paired comparison).
+
+    Traces differ far more from each other than policies do on one trace, so only paired differences say whether
+    one policy beats another. One row per (budget, policy): n common traces, the mean difference with its
+    bootstrap CI over traces, and `better`: on how many of those traces the policy beat the reference."""
+    values = per_trace(records, metric)
+    lower = LOWER_IS_BETTER.get(metric, True)
+    rows = []
+    for (policy, budget), vals in sorted(values.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+        ref = values.get((reference, budget))
+        if policy == reference or budget is None or not ref:
+            continue
+        common = sorted(set(vals) & set(ref))
+        if not common:
+            continue
+        diff = np.array([vals[t] - ref[t] for t in common])
+        better = int((diff < 0).sum() if lower else (diff > 0).sum())
+        rows.append({"policy": policy, "budget": budget, "reference": reference, "metric": metric,
+                     "n": len(common), "better": better, "diff": bootstrap_ci(diff, confidence, n_resamples)})
     return rows

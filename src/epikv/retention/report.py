@@ -1,7 +1,9 @@
 """Render retention results: a Markdown table with bootstrap CIs and one plot per metric against budget.
 
 `render_retention(records, out_dir)` takes records with "kind": "retention" (others are ignored) and returns the
-paths it wrote. `full` (no eviction, budget null) is drawn as a horizontal line."""
+paths it wrote. `full` (no eviction, budget null) is drawn as a horizontal line. Besides the full table, the
+Markdown has one policy x budget grid per headline metric and paired differences against a reference policy
+(EPIKV by default) on common traces, which is what a claim "A beats B" needs."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from .bootstrap import aggregate
+from .bootstrap import LOWER_IS_BETTER, aggregate, paired
 
 PLOTS = {
     "answer_nll_increase": "answer NLL increase over full (nats/token)",
@@ -37,6 +39,55 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+GRIDS = {"answer_nll_increase": ("Answer-NLL increase over full (nats/token)", {}),
+         "top1_agreement": ("Top-1 agreement with full over the reasoning span (%)", {"pct": True})}
+
+
+def _budgets(rows: list[dict]) -> list[int]:
+    return sorted({r["budget"] for r in rows if r["budget"] is not None})
+
+
+def grid(rows: list[dict], metric: str, pct: bool = False) -> str:
+    """Policies x budgets, best first (by the metric's mean over budgets); each cell mean [CI] (traces)."""
+    budgets = _budgets(rows)
+    by = {(r["policy"], r["budget"]): r for r in rows if r["budget"] is not None}
+    policies = list(dict.fromkeys(p for p, _ in by))
+    sign = 1 if LOWER_IS_BETTER.get(metric, True) else -1
+
+    def key(p):
+        means = [by[(p, b)][metric][0] for b in budgets if (p, b) in by]
+        return sign * sum(means) / len(means)
+
+    lines = ["| policy | " + " | ".join(f"K = {b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for p in sorted(policies, key=key):
+        cells = [f"{_fmt(by[(p, b)][metric], pct=pct)} ({by[(p, b)]['n']})" if (p, b) in by else "-" for b in budgets]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_table(records, reference: str, metric: str, pct: bool = False) -> str:
+    """Policy minus reference per budget, on common traces: mean [CI], and traces where the policy is better."""
+    rows = paired(records, reference, metric)
+    if not rows:
+        return ""
+    budgets = sorted({r["budget"] for r in rows})
+    by = {(r["policy"], r["budget"]): r for r in rows}
+    lines = ["| policy | " + " | ".join(f"K = {b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for p in sorted({r["policy"] for r in rows}):
+        cells = []
+        for b in budgets:
+            r = by.get((p, b))
+            if r is None:
+                cells.append("-")
+                continue
+            mean, lo, hi = r["diff"]
+            f = (lambda v: f"{100 * v:+.1f}") if pct else (lambda v: f"{v:+.4f}")
+            ci = "" if math.isnan(lo) else f" [{f(lo)}, {f(hi)}]"
+            cells.append(f"{f(mean)}{ci}, better on {r['better']}/{r['n']}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     import matplotlib
 
@@ -46,7 +97,7 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     from ..plots import budget_axes
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    budgets = _budgets(rows)
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pr = [r for r in rows if r["policy"] == policy]
         if policy == "full" or all(r["budget"] is None for r in pr):
@@ -65,8 +116,26 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     plt.close(fig)
 
 
-def render_retention(records, out_dir) -> list[Path]:
-    """Write retention.md, retention_summary.json and retention_<metric>.png into out_dir; returns their paths."""
+def _sections(records, rows: list[dict], reference: str) -> str:
+    parts = []
+    for metric, (title, kw) in GRIDS.items():
+        parts.append(f"## {title}\n\nBest first.\n\n" + grid(rows, metric, **kw))
+    for metric, (title, kw) in GRIDS.items():
+        t = paired_table(records, reference, metric, **kw)
+        if t:
+            better = "lower" if LOWER_IS_BETTER[metric] else "higher"
+            parts.append(f"## Paired against {reference}: {title[0].lower() + title[1:]}\n\nPolicy minus {reference} "
+                         f"on the traces both have, mean [95% bootstrap CI over traces]; {better} is better; "
+                         f"\"better on\": traces where the policy beat {reference}. An interval that excludes 0 is a "
+                         "difference these traces support.\n\n" + t)
+    parts.append("## All metrics\n\n" + table(rows))
+    return "\n".join(parts)
+
+
+def render_retention(records, out_dir, reference: str = "epikv") -> list[Path]:
+    """Write retention.md, retention_summary.json and retention_<metric>.png into out_dir; returns their paths.
+
+    `reference`: the policy the paired-difference tables compare every other policy with (skipped if absent)."""
     records = [r for r in records if r.get("kind") == "retention"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,8 +149,8 @@ def render_retention(records, out_dir) -> list[Path]:
     md = out / "retention.md"
     md.write_text(f"# Retention\n\n{head}. Mean over traces with 95% percentile-bootstrap CIs over traces "
                   "(2000 resamples). Answer NLL increase: answer NLL (teacher-forced text after `</think>`) minus "
-                  "the full cache's; top-1 agreement and KL(full || policy) over the reasoning span.\n\n"
-                  + table(rows))
+                  "the full cache's; top-1 agreement and KL(full || policy) over the reasoning span. "
+                  "(n) = traces.\n\n" + _sections(records, rows, reference))
     summary = out / "retention_summary.json"
     summary.write_text(json.dumps(rows, indent=1) + "\n")
     written = [md, summary]
