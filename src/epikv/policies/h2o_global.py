@@ -2,12 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Observes, Policy
-from .h2o import attention_received
+from .attention import AttentionPolicy, accumulate, attention_received
 
 
 @dataclass
-class H2OGlobal(Policy):
+class H2OGlobal(AttentionPolicy):
     """The EPIKV paper's adaptation of H2O (arXiv:2606.26472; H2O is arXiv:2306.14048): one keep mask per token.
 
     Attention received is averaged over layers and heads and accumulated over all queries; keeps 4 sink tokens,
@@ -19,17 +18,10 @@ class H2OGlobal(Policy):
 
     name = "h2o-global"
     paper = "arXiv:2606.26472"
-    attention_free = False
-
-    def observes(self, n_layers):
-        return Observes(attention_layers=tuple(range(n_layers)))
 
     def on_tokens(self, state, obs):
         acc = attention_received(obs, per_kv_head=False).mean(dim=(1, 2))  # [batch, n_old + T]
-        old = obs.stored.get("acc")
-        if old is not None:
-            acc[..., : old.shape[-1]] += old
-        return {"acc": acc}
+        return {"acc": accumulate(acc, obs.stored.get("acc"))}
 
     def scores(self, state, view):
         return view.token_data["acc"]

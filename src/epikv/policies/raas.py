@@ -4,11 +4,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Observes, Policy
+from .attention import AttentionPolicy, newest_query_attention
 
 
 @dataclass
-class RaaS(Policy):
+class RaaS(AttentionPolicy):
     """RaaS, Reasoning-aware attention sparsity (Hu et al., arXiv:2502.11147).
 
     The prompt is always kept. Every decode token carries a timestamp, first its own position; at each step the
@@ -19,14 +19,9 @@ class RaaS(Policy):
 
     name = "raas"
     paper = "arXiv:2502.11147"
-    attention_free = False
-
-    def observes(self, n_layers):
-        return Observes(attention_layers=tuple(range(n_layers)))
 
     def on_tokens(self, state, obs):
-        att = torch.stack([obs.attentions[l][:, :, -1].float().mean(1) for l in sorted(obs.attentions)]).mean(0)
-        att = att.to(obs.valid.device)  # [batch, n_old + T]
+        att = newest_query_attention(obs).mean(1)  # [batch, n_old + T], layers averaged
         pos = obs.positions
         old_ts, old_pos = obs.stored.get("ts"), obs.stored.get("pos")
         ts = pos.float() if old_ts is None else torch.cat([old_ts, pos.float()], dim=-1)

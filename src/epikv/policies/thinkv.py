@@ -5,11 +5,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import EpiKVError
-from .base import Observes, Policy
+from .attention import AttentionPolicy, newest_query_attention
+from .base import Observes
 
 
 @dataclass
-class ThinKV(Policy):
+class ThinKV(AttentionPolicy):
     """The EPIKV paper's simplified ThinKV: an APPROXIMATION of ThinKV (Ramachandran et al., arXiv:2510.01290).
 
     At each eviction the evictable cache (after the protected prefix, before the recency window) is cut into
@@ -27,7 +28,6 @@ class ThinKV(Policy):
 
     name = "thinkv"
     paper = "arXiv:2510.01290 (approximation, per arXiv:2606.26472)"
-    attention_free = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -41,10 +41,9 @@ class ThinKV(Policy):
         return {}
 
     def on_tokens(self, state, obs):
-        layers = sorted(obs.attentions)
-        last = [obs.attentions[l][:, :, -1].float().mean(1).to(obs.valid.device) for l in layers]  # [batch, kv_len]
-        state["ent"] = torch.stack(last).mean(0)  # entropy source: last layers averaged
-        state["rank"] = last[-1]  # in-segment ranking: the last layer
+        last = newest_query_attention(obs)  # [batch, layers, kv_len]
+        state["ent"] = last.mean(1)  # entropy source: last layers averaged
+        state["rank"] = last[:, -1]  # in-segment ranking: the last layer
         return {}
 
     def scores(self, state, view):

@@ -2,13 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .base import Observes, Policy
+from .attention import AttentionPolicy, newest_query_attention
 
 
 @dataclass
-class TOVA(Policy):
+class TOVA(AttentionPolicy):
     """TOVA, Token Omission Via Attention (Oren et al., arXiv:2401.06104).
 
     At every step each layer keeps the K tokens with the highest attention from the newest query, averaged over
@@ -22,19 +20,14 @@ class TOVA(Policy):
 
     name = "tova"
     paper = "arXiv:2401.06104"
-    attention_free = False
     granularity = "layer"
-
-    def observes(self, n_layers):
-        return Observes(attention_layers=tuple(range(n_layers)))
 
     def init_state(self, batch, n_layers, device):
         return {}
 
     def on_tokens(self, state, obs):
         # the newest query's attention of the latest forward, aligned with the cache until the next forward
-        last = [obs.attentions[l][:, :, -1].float().mean(1) for l in sorted(obs.attentions)]  # [batch, kv_len] each
-        state["last"] = torch.stack(last, dim=1).to(obs.valid.device)  # [batch, layers, kv_len]
+        state["last"] = newest_query_attention(obs)  # [batch, layers, kv_len]
         state["kv_heads"] = obs.kv_heads
         return {}
 
