@@ -92,6 +92,9 @@ def no_decoder_model(tmp_path_factory):
     (["--budget", "-5"], "positive integer"),
     (["--temperature", "-1"], ">= 0"),
     (["--top-p", "x"], ">= 0"),
+    (["--top-p", "nan"], ">= 0"),
+    (["--budget", "1.5"], "positive integer"),
+    (["--seed", "-1"], "integer >= 0"),
     (["--max-new-tokens", "0"], "positive integer"),
     (["--policy", "nope"], "unknown policy"),
     (["--model", "random:nope"], "unknown random preset"),
@@ -111,6 +114,15 @@ def test_generate_bad_input(capsys, argv, needle):
         base += ["--prompt", "Hello there, my friend"]
     line = run_bad(capsys, *base, *argv)
     assert needle in line
+
+
+def test_unreadable_prompt_and_trace_files(capsys, tmp_path):
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    line = run_bad(capsys, "generate", "--model", "random:tiny", "--prompt-file", str(binary))
+    assert "cannot read prompt file" in line and "prompt.bin" in line
+    line = run_bad(capsys, "trace", "--model", "random:tiny", "--text-file", str(tmp_path / "missing.txt"))
+    assert "cannot read" in line and "missing.txt" in line
 
 
 def test_empty_prompt_and_no_decoder(capsys, no_decoder_model):

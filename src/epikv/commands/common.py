@@ -11,34 +11,34 @@ from ..models import DEFAULT_MODEL
 from ..policies import policy_names
 
 
-def positive_int(text: str) -> int:
+def _number(cast, ok, expected: str):
+    """An argparse type: `cast` the text and check it with `ok`, else "expected <expected>, got '<text>'"."""
+
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return v
+
+    parse.__name__ = cast.__name__  # argparse names the type in its own messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = _number(float, lambda v: v >= 0, "a number >= 0")  # also refuses nan
+
+
+def read_text(path: str, what: str = "") -> str:
+    """A text file's contents, or a one-line error naming it."""
     try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise EpiKVError(f"cannot read {what + ' ' if what else ''}{path}: {why}") from None
 
 
 def int_list(text: str) -> list[int]:

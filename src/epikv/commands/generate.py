@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, nonneg_float, nonneg_int, policy_settings, positive_int
+from .common import (add_model_args, add_policy_args, load, nonneg_float, nonneg_int, policy_settings, positive_int,
+                     read_text)
 
 
 def register(sub) -> None:
@@ -35,10 +35,7 @@ def run(args) -> int:
     from ..engine import Sampling, generate
 
     if args.prompt_file:
-        try:
-            prompt = Path(args.prompt_file).read_text()
-        except OSError as e:
-            raise EpiKVError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+        prompt = read_text(args.prompt_file, "prompt file")
     else:
         prompt = args.prompt
     if not prompt or not prompt.strip():

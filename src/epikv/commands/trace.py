@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, policy_settings
+from .common import add_model_args, add_policy_args, load, policy_settings, read_text
 
 
 def register(sub) -> None:
@@ -26,10 +26,7 @@ def run(args) -> int:
     from ..trace import render_html, render_png, render_terminal, trace_scores
 
     if args.text_file:
-        try:
-            text = Path(args.text_file).read_text()
-        except OSError as e:
-            raise EpiKVError(f"cannot read {args.text_file}: {e.strerror}") from None
+        text = read_text(args.text_file)
         prompt, _, completion = text.partition("\n")
         completion = "\n" + completion if completion else ""
     else:
