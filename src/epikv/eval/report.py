@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import EpiKVError
-from ..plots import budget_axes
+from ..plots import budget_axes, policy_style
 from .records import cell_key, read_config, read_records
 
 COLUMNS = ["dataset", "model", "protocol", "policy", "budget", "problems", "generations", "accuracy", "ci_low",
@@ -148,9 +148,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                 if metric == "accuracy":
                     err = [[scale * (r["accuracy"] - r["ci_low"]) for _, r in pts],
                            [scale * (r["ci_high"] - r["accuracy"]) for _, r in pts]]
-                    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=pol)
+                    ax.errorbar(xs, ys, yerr=err, capsize=3, label=pol, **policy_style(pol))
                 else:
-                    ax.plot(xs, ys, marker="o", label=pol)
+                    ax.plot(xs, ys, label=pol, **policy_style(pol))
             budget_axes(ax, [r["budget"] for r in sub if r["budget"] is not None], ylabel, f"{ds} / {model} ({proto})")
         fig.tight_layout()
         path = out / fname

@@ -94,23 +94,27 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..plots import budget_axes
+    from ..plots import budget_axes, dodge, policy_style
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
     budgets = _budgets(rows)
+    lines = [p for p in dict.fromkeys(r["policy"] for r in rows)
+             if not (p == "full" or all(r["budget"] is None for r in rows if r["policy"] == p))]
     for policy in dict.fromkeys(r["policy"] for r in rows):
-        pr = [r for r in rows if r["policy"] == policy]
-        if policy == "full" or all(r["budget"] is None for r in pr):
-            mean, lo, hi = pr[0][metric]
-            ax.axhline(mean, color="black", ls="--", lw=1, label=f"{policy} (no eviction)")
-            continue
-        pr = sorted((r for r in pr if r["budget"] is not None), key=lambda r: r["budget"])
-        xs = [r["budget"] for r in pr]
+        if policy not in lines:
+            mean = next(r for r in rows if r["policy"] == policy)[metric][0]
+            ax.axhline(mean, color="black", ls=":", lw=1.2, label=f"{policy} (no eviction)")
+    for i, policy in enumerate(lines):
+        pr = sorted((r for r in rows if r["policy"] == policy and r["budget"] is not None), key=lambda r: r["budget"])
+        xs = dodge([r["budget"] for r in pr], i, len(lines))
         ys = [r[metric][0] for r in pr]
         lo = [r[metric][0] - r[metric][1] if not math.isnan(r[metric][1]) else 0 for r in pr]
         hi = [r[metric][2] - r[metric][0] if not math.isnan(r[metric][2]) else 0 for r in pr]
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=4, capsize=3, label=policy)
-    budget_axes(ax, budgets, label, f"{label}\n(mean over traces, 95% bootstrap CI)", legend_size=7)
+        ax.errorbar(xs, ys, yerr=[lo, hi], ms=4, capsize=2, lw=1.2, elinewidth=0.8, label=policy,
+                    **policy_style(policy))
+    budget_axes(ax, budgets, label, f"{label}\n(mean over traces, 95% bootstrap CI; solid: hidden-state policies)",
+                legend_size=7)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
