@@ -194,6 +194,20 @@ def test_bad_traces_are_skipped_by_id(tmp_path, tiny, capsys):
     assert {r["trace_id"] for r in read_records(out / "results.jsonl")} == {"synthetic/good"}
 
 
+def test_skip_and_limit_select_a_slice(tmp_path, capsys):
+    rows = [dict(GOOD, id=f"t{i}") for i in range(4)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full", "--no-report"]
+    assert main(base + ["--skip", "1", "--limit", "2", "--out", str(tmp_path / "a")]) == 0
+    assert [r["trace_id"] for r in read_records(tmp_path / "a" / "results.jsonl")] == ["t1", "t2"]
+    assert main(base + ["--skip", "3", "--out", str(tmp_path / "b")]) == 0
+    assert [r["trace_id"] for r in read_records(tmp_path / "b" / "results.jsonl")] == ["t3"]
+    capsys.readouterr()
+    assert main(base + ["--skip", "4", "--out", str(tmp_path / "c")]) == 2
+    assert "--skip 4" in capsys.readouterr().err
+
+
 def test_bad_input_is_one_line_error(tmp_path, capsys):
     assert main(["retention", "--model", "random:tiny", "--traces", str(tmp_path / "none.jsonl"),
                  "--out", str(tmp_path / "o")]) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, policy_settings, positive_int
+from .common import add_model_args, add_policy_args, load, nonneg_int, policy_settings, positive_int
 
 
 def register(sub) -> None:
@@ -16,7 +16,9 @@ def register(sub) -> None:
                     "cache. Results are appended to OUT/results.jsonl (resumable); a table and plots go to OUT.")
     p.add_argument("--traces", default=None,
                    help="JSONL traces with id, problem, trace (default: reasoning_traces.jsonl in the data folder)")
-    p.add_argument("--limit", type=positive_int, default=None, help="only the first N traces")
+    p.add_argument("--skip", type=nonneg_int, default=0,
+                   help="skip the first N traces (with --limit: a slice), to split a run across processes or machines")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N traces (after --skip)")
     p.add_argument("--max-reasoning-tokens", type=positive_int, default=None,
                    help="keep only the first N reasoning tokens before </think> (CPU-sized runs)")
     p.add_argument("--max-answer-tokens", type=positive_int, default=None,
@@ -38,8 +40,9 @@ def run(args) -> int:
 
     path = Path(args.traces) if args.traces else data_dir() / "reasoning_traces.jsonl"
     rows = load_traces(path)
-    if args.limit:
-        rows = rows[: args.limit]
+    if args.skip >= len(rows):
+        raise EpiKVError(f"--skip {args.skip}: {path} has only {len(rows)} traces")
+    rows = rows[args.skip: args.skip + args.limit if args.limit else None]
     settings = {name: policy_settings(args, name) for name in args.policies}  # validates names first
     out = Path(args.out)
     if out.exists() and not out.is_dir():
