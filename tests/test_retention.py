@@ -130,6 +130,16 @@ def test_paired_differences_are_per_trace_on_common_traces():
     assert paired_table(recs, "absent", "answer_nll_increase") == ""
 
 
+def test_aggregate_dedupes_merged_folders_and_separates_settings():
+    recs = [_rec("epikv", 64, str(i), kl=1.0) for i in range(3)]
+    recs += [_rec("epikv", 64, "0", kl=1.0)]  # the same trace again (two folders merged): counted once
+    recs += [dict(_rec("epikv", 64, str(i), kl=5.0), settings={"layers": [1, 2]}) for i in range(2)]
+    rows = {r["policy"]: r for r in aggregate(recs, metrics=("kl",))}
+    assert set(rows) == {"epikv", "epikv[layers=[1, 2]]"}
+    assert rows["epikv"]["n"] == 3 and rows["epikv"]["kl"] == (1.0, 1.0, 1.0)
+    assert rows["epikv[layers=[1, 2]]"]["n"] == 2 and rows["epikv[layers=[1, 2]]"]["kl"][0] == 5.0
+
+
 def test_grid_orders_policies_best_first():
     recs = [_rec(p, b, str(i), answer_nll_increase=v * b / 64, top1_agreement=1 - v)
             for p, v in (("worst", 0.3), ("best", 0.1), ("mid", 0.2)) for b in (64, 128) for i in range(3)]

@@ -14,6 +14,23 @@ METRICS = ("answer_nll_increase", "top1_agreement", "kl", "answer_nll", "seconds
 LOWER_IS_BETTER = {"answer_nll_increase": True, "top1_agreement": False, "kl": True, "answer_nll": True}
 
 
+def policy_label(rec: dict) -> str:
+    """The policy name, plus its non-default settings if any (`epikv[layers=[6, 20]]`): runs of one policy with
+    other settings are other rows, never pooled."""
+    s = rec.get("settings") or {}
+    return rec["policy"] + ("[" + ", ".join(f"{k}={v}" for k, v in sorted(s.items())) + "]" if s else "")
+
+
+def unique(records) -> list[dict]:
+    """Retention records, one per (trace, policy, budget, settings): the last one wins, so merging folders that
+    share a trace counts it once."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("kind") == "retention":
+            out[(r["trace_id"], policy_label(r), r["budget"])] = r
+    return list(out.values())
+
+
 def bootstrap_ci(values, confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """(mean, low, high): percentile bootstrap of the mean; (mean, nan, nan) for fewer than two values."""
     from scipy.stats import bootstrap
@@ -36,9 +53,8 @@ def bootstrap_ci(values, confidence: float = 0.95, n_resamples: int = 2000, seed
 def aggregate(records, metrics=METRICS, confidence: float = 0.95, n_resamples: int = 2000) -> list[dict]:
     """One row per (policy, budget): n traces and {metric: (mean, low, high)}; `full` has budget None."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        if r.get("kind") == "retention":
-            groups[(r["policy"], r["budget"])].append(r)
+    for r in unique(records):
+        groups[(policy_label(r), r["budget"])].append(r)
     rows = []
     for (policy, budget), recs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], kv[0][1] or 0)):
         row = {"policy": policy, "budget": budget, "n": len({r["trace_id"] for r in recs})}
@@ -51,9 +67,9 @@ def aggregate(records, metrics=METRICS, confidence: float = 0.95, n_resamples: i
 def per_trace(records, metric: str) -> dict[tuple, dict[str, float]]:
     """{(policy, budget): {trace_id: value}} for the retention records that carry `metric`."""
     out: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in records:
-        if r.get("kind") == "retention" and r.get(metric) is not None:
-            out[(r["policy"], r["budget"])][r["trace_id"]] = float(r[metric])
+    for r in unique(records):
+        if r.get(metric) is not None:
+            out[(policy_label(r), r["budget"])][r["trace_id"]] = float(r[metric])
     return out
 
 
