@@ -9,6 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from epikv.cache import EpiKVCache
 from epikv.engine import Decoder, Sampling, attention_for, generate
 from epikv.errors import EpiKVError
 from epikv.models import load_model
@@ -284,11 +285,35 @@ def test_knorm_leaves_layers_0_and_1_uncompressed(tiny):
             logits = dec.step(logits.argmax(-1, keepdim=True))
         lens = [layer.length for layer in dec.cache.layers]
         assert lens[:2] == [ids.shape[1] + NEW] * 2 and lens[2:] == [BUDGET, BUDGET]
-        with pytest.raises(EpiKVError, match="one at a time"):
-            dec.step(torch.ones(1, 3, dtype=torch.long))
+        # several tokens at once: the engine feeds them one at a time, one eviction at the end
+        chunk = torch.randint(0, 100, (1, 5))
+        logits = dec.step(chunk, all_logits=True)
+        assert logits.shape[:2] == (1, 5) and torch.isfinite(logits).all()
+        assert [layer.length for layer in dec.cache.layers] == [lens[0] + 5] * 2 + [BUDGET] * 2
+        with pytest.raises(EpiKVError, match="one at a time"):  # a direct caller of the cache is told
+            dec.cache.prepare(torch.ones(1, 3, dtype=torch.bool))
     ok = generate(tiny.model, tiny.tokenizer, PROMPTS[2], policy="knorm", budget=BUDGET, max_new_tokens=4,
                   skip_layers=())
     assert ok.stats["max_cache_tokens"] == BUDGET or ok.stats["evictions"] == 0
+
+
+def test_split_feed_equals_one_multi_token_forward(tiny, monkeypatch):
+    """The engine's token-by-token split (used once layers differ in length) with eviction held to the end gives
+    the logits, evictions and cache of one multi-token forward (checked where both are possible)."""
+    ids = torch.tensor([tiny.tokenizer(PROMPTS[1][0] + " and then some more words to stream")["input_ids"]])
+    p, runs = 6, []
+    for split in (False, True):
+        if split:
+            monkeypatch.setattr(EpiKVCache, "feeds_one_at_a_time", lambda self, n: n > 1)
+        with torch.inference_mode():
+            dec = Decoder(tiny.model, "keydiff", 8, tau=4, recent=1)
+            out = [dec.prefill(ids[:, :p], [0], all_logits=True)[0]]
+            out += [dec.step(ids[:, s : s + 4], all_logits=True)[0] for s in range(p, ids.shape[1], 4)]
+            runs.append((torch.cat(out), dec.cache.evictions, dec.cache.max_tokens, dec.cache.layers[1].keys.clone()))
+    (a, ev_a, mx_a, k_a), (b, ev_b, mx_b, k_b) = runs
+    assert ev_a == ev_b > 0 and mx_a == mx_b
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k_a, k_b, atol=1e-5, rtol=1e-5)
 
 
 def test_per_head_eviction_keeps_the_right_keys_and_frees_memory(tiny):

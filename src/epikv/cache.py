@@ -292,6 +292,7 @@ class EpiKVCache(Cache):
         self.evictions = 0
         self.max_tokens = 0
         self._stored_after_step = 0
+        self._hold = False  # eviction deferred to the end of a multi-token feed split into single tokens
 
     # -- sequence set-up ---------------------------------------------------------------------------------------------
     def begin(self, prompt_lens: list[int], n_pad: list[int] | None = None) -> None:
@@ -315,13 +316,41 @@ class EpiKVCache(Cache):
         self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
         self.state = self.policy.init_state(len(prompt_lens), self.n_layers, self.home)
 
+    def feeds_one_at_a_time(self, n_tokens: int) -> bool:
+        """Whether a forward of n_tokens must be split into single-token forwards: once uncompressed layers (e.g.
+        knorm's first two) are longer than the rest, one causal mask cannot serve every layer, but one query needs
+        no mask. The engine splits such feeds under `held_eviction`, which gives the same result as one forward."""
+        return bool(self._full_layers) and n_tokens > 1 and self.layers[0].length != self.layers[self._ref].length
+
+    def held_eviction(self):
+        """Context manager: no eviction until it exits, then one if due (as after a single multi-token forward)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def hold():
+            self._hold = True
+            try:
+                yield
+            finally:
+                self._hold = False
+            self._end_step()
+
+        return hold()
+
+    def _end_step(self) -> None:
+        """Evict if the cache is over budget + tau - 1, then record what the step leaves stored."""
+        if self.policy.evicts and self.layers[self._ref].length > self.budget + self.tau - 1:
+            self.evict()
+        self._stored_after_step = self.layers[self._ref].length
+        self.max_tokens = max(self.max_tokens, self._stored_after_step)
+
     def prepare(self, valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Attention mask and true position ids for the next forward of T tokens (valid: [batch, T] bool).
 
         The 2D mask covers stored + new tokens; padding stays a prefix of every row, so it is derived from n_pad.
         Returns (mask or None when no row has padding, position_ids [batch, T])."""
         valid = valid.to(self.home)
-        if self._full_layers and valid.shape[1] > 1 and self.layers[0].length != self.layers[self._ref].length:
+        if self.feeds_one_at_a_time(valid.shape[1]):  # the engine splits these; a direct caller must too
             raise EpiKVError(f"{self.policy.name}: once layers differ in length, tokens must be fed one at a time "
                              "(a multi-token forward needs one causal mask per layer length)")
         pos = self.seen[:, None] + valid.long().cumsum(-1) - 1
@@ -366,10 +395,9 @@ class EpiKVCache(Cache):
             self.token_data[key] = x  # (n_old + t entries: the policy replaced the stored data)
         self._hidden, self._attn = {}, {}
         self.seen += valid.sum(-1)
-        if self.policy.evicts and self.layers[self._ref].length > self.budget + self.tau - 1:
-            self.evict()
         self._stored_after_step = self.layers[self._ref].length
-        self.max_tokens = max(self.max_tokens, self._stored_after_step)
+        if not self._hold:
+            self._end_step()
 
     def view(self) -> CacheView:
         return CacheView(

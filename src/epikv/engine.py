@@ -83,6 +83,12 @@ class Decoder:
         self.device = self.cache.home
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        if self.cache.feeds_one_at_a_time(ids.shape[1]):
+            # layers of different lengths (a policy with uncompressed layers): token by token, one eviction at the
+            # end, which is what the single forward would have done
+            with self.cache.held_eviction():
+                outs = [self._forward(ids[:, j : j + 1], valid[:, j : j + 1], True) for j in range(ids.shape[1])]
+            return torch.cat(outs, dim=1) if all_logits else outs[-1]
         mask, pos = self.cache.prepare(valid)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=0 if all_logits else 1, **{self._kw: self.cache})
