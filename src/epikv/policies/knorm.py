@@ -14,9 +14,9 @@ class KNorm(Policy):
 
     Keeps the keys with the LOWEST L2 norm (they draw the most attention). Layers `skip_layers` = 0 and 1 are not
     compressed, as in the paper: they keep every token, so layers differ in length. That needs SDPA without a
-    padding mask, so padded batches are refused (and, once lengths differ, tokens are fed one at a time); set
-    skip_layers to () to compress every layer and allow padded batches. Same prompt protection and recency window
-    as EPIKV. Attention-free.
+    padding mask, so padded batches are refused, and once lengths differ the engine feeds a chunk token by token
+    with one eviction at its end (the same result, slower). Set skip_layers to () to compress every layer, allow
+    padded batches and chunked feeds. Same prompt protection and recency window as EPIKV. Attention-free.
     """
 
     skip_layers: tuple[int, ...] = (0, 1)
