@@ -95,6 +95,11 @@ def no_decoder_model(tmp_path_factory):
     (["--top-p", "nan"], ">= 0"),
     (["--budget", "1.5"], "positive integer"),
     (["--seed", "-1"], "integer >= 0"),
+    (["--set", "epikv.nope=1"], "has no setting 'nope'"),
+    (["--set", "epikv.tau"], "POLICY.SETTING=VALUE"),
+    (["--set", "nope.tau=1"], "unknown policy 'nope'"),
+    (["--set", "epikv.tau=abc"], "expects int, got"),
+    (["--set", "lagkv.lag=128"], "does not run"),
     (["--max-new-tokens", "0"], "positive integer"),
     (["--policy", "nope"], "unknown policy"),
     (["--model", "random:nope"], "unknown random preset"),
@@ -114,6 +119,19 @@ def test_generate_bad_input(capsys, argv, needle):
         base += ["--prompt", "Hello there, my friend"]
     line = run_bad(capsys, *base, *argv)
     assert needle in line
+
+
+def test_set_passes_any_policy_setting():
+    import argparse
+
+    from epikv.commands.common import policy_setting, policy_settings
+
+    assert policy_setting("lagkv.lag=128") == ("lagkv", "lag", 128)
+    assert policy_setting("knorm.skip_layers=[]") == ("knorm", "skip_layers", ())
+    assert policy_setting("lagkv.ratio=1") == ("lagkv", "ratio", 1)  # an int where a float is expected
+    args = argparse.Namespace(policies=["lagkv", "epikv"], recent=None, n_sink=None, no_protect_prompt=False,
+                              layers=None, bands=None, set=[policy_setting("lagkv.lag=128")])
+    assert policy_settings(args, "lagkv") == {"lag": 128} and policy_settings(args, "epikv") == {}
 
 
 def test_unreadable_prompt_and_trace_files(capsys, tmp_path):

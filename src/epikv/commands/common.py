@@ -54,6 +54,36 @@ def _bad(text):
     raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
 
 
+def policy_setting(text: str) -> tuple[str, str, object]:
+    """'lagkv.lag=128' -> ("lagkv", "lag", 128): any dataclass field of a registered policy, the value read as JSON
+    (lists become tuples) and checked against the type of the field's default."""
+    import dataclasses
+
+    from ..policies import REGISTRY
+
+    head, eq, raw = text.partition("=")
+    name, dot, key = head.strip().rpartition(".")
+    if not (eq and dot and name and key):
+        raise argparse.ArgumentTypeError(f"expected POLICY.SETTING=VALUE, got {text!r}")
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise argparse.ArgumentTypeError(f"unknown policy {name!r} in {text!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        raise argparse.ArgumentTypeError(f"{name} has no setting {key!r}; its settings: {', '.join(fields)}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw.strip()
+    value = tuple(value) if isinstance(value, list) else value
+    default = fields[key].default
+    ok = (default is None or value is None or isinstance(value, type(default))
+          or (isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)))
+    if not ok or (isinstance(value, bool) != isinstance(default, bool) and default is not None):
+        raise argparse.ArgumentTypeError(f"{name}.{key} expects {type(default).__name__}, got {raw!r}")
+    return name, key, value
+
+
 def layer_list(text: str) -> tuple[int, ...]:
     """'10,21' -> (10, 21)."""
     try:
@@ -106,6 +136,8 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g.add_argument("--layers", type=layer_list, default=None, help="EPIKV blocks A,B (default 10,21 of 32, scaled)")
     g.add_argument("--bands", type=band_list, default=None, help="band-adaptive bands, e.g. 7-13,18-25")
     g.add_argument("--bands-file", default=None, help="a band file written by `epikv anatomy bands`")
+    g.add_argument("--set", type=policy_setting, action="append", default=[], metavar="POLICY.SETTING=VALUE",
+                   help="any other policy setting, e.g. lagkv.lag=128 (repeatable; see `epikv policies --json`)")
 
 
 def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
@@ -131,6 +163,12 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
             raise EpiKVError(f"--layers needs two blocks A,B for {policy_name}, got {len(layers)}")
     if bands is not None and "bands" in fields:
         s["bands"] = bands
+    sets = getattr(args, "set", None) or []
+    running = getattr(args, "policies", None) or [getattr(args, "policy", None)]
+    stray = sorted({name for name, _, _ in sets if name not in running})
+    if stray:
+        raise EpiKVError(f"--set names {', '.join(stray)}, which this command does not run")
+    s.update({key: value for name, key, value in sets if name == policy_name})
     return {k: v for k, v in s.items() if v is not None and k in fields}
 
 
