@@ -82,6 +82,8 @@ def test_refuses_another_configuration(data, tmp_path, capsys):
     assert main(_args(data, out, "--tau", "4", budgets="48", policies="epikv")) == 2
     err = capsys.readouterr().err
     assert "holds another configuration" in err and "tau" in err
+    assert main(_args(data, out, "--set", "epikv.n_sink=2", budgets="48", policies="epikv")) == 2
+    assert "policy_args" in capsys.readouterr().err  # other policy settings: another folder
     assert len(read_records(out)) == 6  # nothing mixed in
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..errors import EpiKVError
@@ -82,7 +83,9 @@ def run(args) -> int:
         "policy_args": {"recent": args.recent, "n_sink": args.n_sink, "no_protect_prompt": args.no_protect_prompt,
                         "layers": list(args.layers) if args.layers else None,
                         "bands": [list(b) for b in args.bands] if args.bands else None,
-                        "bands_file": args.bands_file},
+                        "bands_file": args.bands_file,
+                        # --set: absent when unused, so folders written before the option still resume
+                        **({"set": [f"{n}.{k}={json.dumps(v)}" for n, k, v in args.set]} if args.set else {})},
     }
     out = Path(args.out)
     lm = load(args)
