@@ -19,13 +19,17 @@ def budget_axes(ax, budgets, ylabel: str, title: str, legend_size: int = 8) -> N
 
 def policy_style(policy: str) -> dict:
     """A fixed colour, marker and line style per policy, the same in every plot and distinct for all registered
-    policies: the policies scored from hidden states (the EPIKV family) solid, every other baseline dashed."""
+    policies: the policies scored from hidden states (the EPIKV family) solid, every other baseline dashed. A
+    policy run with other settings (`lagkv[lag=128]`) keeps its colour, dash-dotted with crosses."""
     import zlib
 
     import matplotlib
 
     from .policies import REGISTRY
 
+    base = policy.split("[", 1)[0]
+    if base != policy and base in REGISTRY:
+        return {**policy_style(base), "ls": "-.", "marker": "X"}
     names = list(REGISTRY)
     i = names.index(policy) if policy in names else zlib.crc32(policy.encode()) % 20
     hidden = policy in REGISTRY and bool(REGISTRY[policy]().observes(32).hidden_layers)
