@@ -68,7 +68,9 @@ def policy_setting(text: str) -> tuple[str, str, object]:
     cls = REGISTRY.get(name)
     if cls is None:
         raise argparse.ArgumentTypeError(f"unknown policy {name!r} in {text!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "tau"}  # tau is --tau, shared by all
+    if key == "tau":
+        raise argparse.ArgumentTypeError("the eviction interval is --tau, not --set")
     if key not in fields:
         raise argparse.ArgumentTypeError(f"{name} has no setting {key!r}; its settings: {', '.join(fields)}")
     try:
@@ -159,8 +161,6 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
         layers, bands = layers or layers_f, bands or bands_f
     if layers is not None and "layers" in fields:
         s["layers"] = layers[: 1] if policy_name == "epikv-a" else layers
-        if policy_name != "epikv-a" and len(layers) != 2:
-            raise EpiKVError(f"--layers needs two blocks A,B for {policy_name}, got {len(layers)}")
     if bands is not None and "bands" in fields:
         s["bands"] = bands
     sets = getattr(args, "set", None) or []
@@ -169,6 +169,10 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
     if stray:
         raise EpiKVError(f"--set names {', '.join(stray)}, which this command does not run")
     s.update({key: value for name, key, value in sets if name == policy_name})
+    n_blocks = 1 if policy_name == "epikv-a" else 2
+    if s.get("layers") is not None and "layers" in fields and len(s["layers"]) != n_blocks:
+        raise EpiKVError(f"{policy_name} takes {n_blocks} layer block{'s' if n_blocks > 1 else ''} "
+                         f"({'A' if n_blocks == 1 else 'A,B'}), got {len(s['layers'])}")
     return {k: v for k, v in s.items() if v is not None and k in fields}
 
 
