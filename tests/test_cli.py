@@ -124,17 +124,27 @@ def test_generate_bad_input(capsys, argv, needle):
     assert needle in line
 
 
-def test_set_passes_any_policy_setting():
+def test_set_passes_any_policy_setting(capsys):
     import argparse
 
-    from epikv.commands.common import policy_setting, policy_settings
+    from epikv.commands.common import policy_setting, settings_by_policy
+    from epikv.errors import EpiKVError
 
     assert policy_setting("lagkv.lag=128") == ("lagkv", "lag", 128)
     assert policy_setting("knorm.skip_layers=[]") == ("knorm", "skip_layers", ())
     assert policy_setting("lagkv.ratio=1") == ("lagkv", "ratio", 1)  # an int where a float is expected
-    args = argparse.Namespace(policies=["lagkv", "epikv"], recent=None, n_sink=None, no_protect_prompt=False,
-                              layers=None, bands=None, set=[policy_setting("lagkv.lag=128")])
-    assert policy_settings(args, "lagkv") == {"lag": 128} and policy_settings(args, "epikv") == {}
+    for bad in ("lagkv.lag=true", "lagkv.lag=1.5", "lagkv.protect_prompt=1"):  # bool is not an int, nor int a bool
+        with pytest.raises(argparse.ArgumentTypeError, match="expects"):
+            policy_setting(bad)
+    args = argparse.Namespace(recent=None, n_sink=None, no_protect_prompt=False, layers=None, bands=None,
+                              set=[policy_setting("lagkv.lag=128")])
+    assert settings_by_policy(args, ["lagkv", "epikv"]) == {"lagkv": {"lag": 128}, "epikv": {}}
+    with pytest.raises(EpiKVError, match="does not run"):
+        settings_by_policy(args, ["epikv"])
+    # bench: the names it runs include its default policy list and the long-run policies
+    line = run_bad(capsys, "bench", "speed", "--model", "random:tiny", "--policies", "epikv", "--no-long",
+                   "--set", "full.n_sink=2")
+    assert "--set names full, which this command does not run" in line
 
 
 def test_unreadable_prompt_and_trace_files(capsys, tmp_path):

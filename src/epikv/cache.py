@@ -8,6 +8,7 @@ is kept apart from tokens seen (true RoPE positions), as in transformers' cache 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -322,20 +323,15 @@ class EpiKVCache(Cache):
         no mask. The engine splits such feeds under `held_eviction`, which gives the same result as one forward."""
         return bool(self._full_layers) and n_tokens > 1 and self.layers[0].length != self.layers[self._ref].length
 
+    @contextlib.contextmanager
     def held_eviction(self):
-        """Context manager: no eviction until it exits, then one if due (as after a single multi-token forward)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def hold():
-            self._hold = True
-            try:
-                yield
-            finally:
-                self._hold = False
-            self._end_step()
-
-        return hold()
+        """No eviction inside; on exit one if due, as after a single multi-token forward."""
+        self._hold = True
+        try:
+            yield
+        finally:
+            self._hold = False
+        self._end_step()
 
     def _end_step(self) -> None:
         """Evict if the cache is over budget + tau - 1, then record what the step leaves stored."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, policy_settings, positive_int
+from .common import add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, positive_int, settings_by_policy
 
 
 def register(sub) -> None:
@@ -95,12 +95,12 @@ def run_speed(args) -> int:
         torch.set_num_threads(args.threads)
     taus = [args.tau] if args.tau else args.taus
     names = args.policies or default_policies()
-    configs = build_configs(names, taus, lambda n: policy_settings(args, n))
+    # every name checked (and --set matched) before any model is loaded
+    settings = settings_by_policy(args, list(dict.fromkeys(names + ([] if args.no_long else args.long_policies))))
+    configs = build_configs(names, taus, settings.__getitem__)
     if args.gen_tokens < (args.round_steps or max(taus)):
         raise EpiKVError(f"--gen-tokens {args.gen_tokens} is shorter than one round "
                          f"({args.round_steps or max(taus)} steps); raise it or set --round-steps")
-    for n in args.long_policies:
-        policy_settings(args, n)  # unknown names fail before any model is loaded
     lm = load(args)
     device = _device_of(lm.model)
     dtype = str(lm.model.dtype).replace("torch.", "")
@@ -125,7 +125,7 @@ def run_speed(args) -> int:
         long = run_long(args.model, args.long_policies, kl, args.long_lengths, tau=taus[0], device=device,
                         dtype=args.dtype, cap_gib=args.cap_gib or None, seed=args.seed,
                         prompt_tokens=args.prompt_tokens, model=lm.model,
-                        settings=lambda n: policy_settings(args, n), threads=args.threads,
+                        settings=settings.__getitem__, threads=args.threads,
                         on_point=lambda p: print(f"long {p.get('policy')}: {_fmt_point(p)}", file=sys.stderr))
     result = {"kind": "speed", "model": args.model, "device": device, "dtype": dtype, "budgets": blocks,
               "long_budget": None if args.no_long else (args.long_budget or args.budgets[0]), "long": long,

@@ -79,10 +79,10 @@ def policy_setting(text: str) -> tuple[str, str, object]:
         value = raw.strip()
     value = tuple(value) if isinstance(value, list) else value
     default = fields[key].default
-    ok = (default is None or value is None or isinstance(value, type(default))
-          or (isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)))
-    if not ok or (isinstance(value, bool) != isinstance(default, bool) and default is not None):
-        raise argparse.ArgumentTypeError(f"{name}.{key} expects {type(default).__name__}, got {raw!r}")
+    # the default's exact type (bool is not an int here), an int where a float is expected; None: anything
+    want = type(default)
+    if default is not None and value is not None and type(value) is not want and (want, type(value)) != (float, int):
+        raise argparse.ArgumentTypeError(f"{name}.{key} expects {want.__name__}, got {raw!r}")
     return name, key, value
 
 
@@ -163,17 +163,20 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
         s["layers"] = layers[: 1] if policy_name == "epikv-a" else layers
     if bands is not None and "bands" in fields:
         s["bands"] = bands
-    sets = getattr(args, "set", None) or []
-    running = getattr(args, "policies", None) or [getattr(args, "policy", None)]
-    stray = sorted({name for name, _, _ in sets if name not in running})
-    if stray:
-        raise EpiKVError(f"--set names {', '.join(stray)}, which this command does not run")
-    s.update({key: value for name, key, value in sets if name == policy_name})
+    s.update({key: value for name, key, value in getattr(args, "set", None) or [] if name == policy_name})
     n_blocks = 1 if policy_name == "epikv-a" else 2
     if s.get("layers") is not None and "layers" in fields and len(s["layers"]) != n_blocks:
         raise EpiKVError(f"{policy_name} takes {n_blocks} layer block{'s' if n_blocks > 1 else ''} "
                          f"({'A' if n_blocks == 1 else 'A,B'}), got {len(s['layers'])}")
     return {k: v for k, v in s.items() if v is not None and k in fields}
+
+
+def settings_by_policy(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    """{name: policy_settings(args, name)} for the policies a command runs; a --set naming any other is refused."""
+    stray = sorted({name for name, _, _ in getattr(args, "set", None) or [] if name not in names})
+    if stray:
+        raise EpiKVError(f"--set names {', '.join(stray)}, which this command does not run")
+    return {name: policy_settings(args, name) for name in names}
 
 
 def read_bands_file(path: str) -> tuple[tuple[int, ...] | None, tuple | None]:

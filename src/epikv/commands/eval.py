@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, nonneg_int, policy_settings, positive_int
+from .common import add_model_args, add_policy_args, load, nonneg_int, positive_int, settings_by_policy
 
 
 def shard_arg(text: str) -> tuple[int, int]:
@@ -64,7 +64,7 @@ def run(args) -> int:
     protocol = get_protocol(args.protocol)
     if args.samples > 1 and protocol.temperature == 0:
         raise EpiKVError("--samples > 1 needs sampling: greedy samples are identical (use --protocol r1)")
-    settings = {pol: policy_settings(args, pol) for pol in args.policies}
+    settings = settings_by_policy(args, args.policies)
     ds = load_dataset(args.dataset, data_dir=args.data_dir)
     fingerprint = ds.fingerprint()
     ds.rows = ds.rows[: args.limit] if args.limit else ds.rows
@@ -85,7 +85,7 @@ def run(args) -> int:
                         "bands": [list(b) for b in args.bands] if args.bands else None,
                         "bands_file": args.bands_file,
                         # --set: absent when unused, so folders written before the option still resume
-                        **({"set": [f"{n}.{k}={json.dumps(v)}" for n, k, v in args.set]} if args.set else {})},
+                        **({"set": sorted(f"{n}.{k}={json.dumps(v)}" for n, k, v in args.set)} if args.set else {})},
     }
     out = Path(args.out)
     lm = load(args)

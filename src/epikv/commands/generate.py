@@ -6,8 +6,8 @@ import json
 import sys
 
 from ..errors import EpiKVError
-from .common import (add_model_args, add_policy_args, load, nonneg_float, nonneg_int, policy_settings, positive_int,
-                     read_text)
+from .common import (add_model_args, add_policy_args, load, nonneg_float, nonneg_int, positive_int, read_text,
+                     settings_by_policy)
 
 
 def register(sub) -> None:
@@ -41,7 +41,7 @@ def run(args) -> int:
     if not prompt or not prompt.strip():
         raise EpiKVError("empty prompt")
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    settings = policy_settings(args, args.policy)
+    settings = settings_by_policy(args, [args.policy])[args.policy]
     lm = load(args)
     live = not args.json
     tty = sys.stderr.isatty()

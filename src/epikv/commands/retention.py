@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, nonneg_int, policy_settings, positive_int
+from .common import add_model_args, add_policy_args, load, nonneg_int, positive_int, settings_by_policy
 
 
 def register(sub) -> None:
@@ -43,7 +43,7 @@ def run(args) -> int:
     if args.skip >= len(rows):
         raise EpiKVError(f"--skip {args.skip}: {path} has only {len(rows)} traces")
     rows = rows[args.skip: args.skip + args.limit if args.limit else None]
-    settings = {name: policy_settings(args, name) for name in args.policies}  # validates names first
+    settings = settings_by_policy(args, args.policies)  # validates names first
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise EpiKVError(f"--out {out} exists and is not a folder")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, policy_settings, read_text
+from .common import add_model_args, add_policy_args, load, read_text, settings_by_policy
 
 
 def register(sub) -> None:
@@ -42,7 +42,7 @@ def run(args) -> int:
     p_ids = tok(prompt, add_special_tokens=True)["input_ids"]
     c_ids = tok(completion, add_special_tokens=False)["input_ids"]
     tr = trace_scores(lm.model, tok, p_ids, c_ids, policy=args.policy, budget=args.budget, tau=args.tau or 1,
-                      **policy_settings(args, args.policy))
+                      **settings_by_policy(args, [args.policy])[args.policy])
     if args.html:
         Path(args.html).write_text(render_html(tr))
     if args.png:
