@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from epikv import EpiKVCache, EpiKVError, generate, get_policy, load_model
+from epikv.cache import cache_kwarg
 from epikv.engine import Decoder
 from epikv.policies import REGISTRY
 
@@ -17,7 +18,7 @@ def hf_greedy(lm, prompts, n):
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     out = lm.model.generate(**enc, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                            cache=DynamicCache())
+                            **{cache_kwarg(lm.model): DynamicCache()})
     return out[:, enc.input_ids.shape[1]:].tolist()
 
 
@@ -84,7 +85,7 @@ def test_wrong_positions_would_differ(tiny):
         dec2 = Decoder(m, "streaming", budget=24, tau=64)
         dec2.prefill(ids[:, :60], [0])
         dec2.cache.evict()
-        wrong = m(ids[:, 60:61], cache=dec2.cache, position_ids=torch.tensor([[24]])).logits[0, -1]
+        wrong = m(ids[:, 60:61], **{cache_kwarg(m): dec2.cache}, position_ids=torch.tensor([[24]])).logits[0, -1]
     assert (right - wrong).abs().max() > 1e-3
 
 
@@ -256,7 +257,7 @@ def test_drop_in_cache_matches_engine(tiny):
     for policy, tau in [("epikv", 1), ("epikv", 4), ("lag-kv", 8), ("streaming", 1)]:
         cache = EpiKVCache(tiny.model, policy, budget=20, tau=tau)
         out = tiny.model.generate(**enc, max_new_tokens=40, do_sample=False, eos_token_id=None,
-                                  pad_token_id=tok.pad_token_id, cache=cache)
+                                  pad_token_id=tok.pad_token_id, **{cache_kwarg(tiny.model): cache})
         res = generate(tiny.model, tok, PROMPTS[0], policy=policy, budget=20, tau=tau, max_new_tokens=40,
                        eos_token_ids=[])
         assert out[0, enc.input_ids.shape[1]:].tolist() == res.token_ids[0]
@@ -269,7 +270,7 @@ def test_drop_in_refuses_padded_batch(tiny):
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     with pytest.raises(EpiKVError, match="padded batches"):
         tiny.model.generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id,
-                            cache=EpiKVCache(tiny.model, "epikv", budget=64))
+                            **{cache_kwarg(tiny.model): EpiKVCache(tiny.model, "epikv", budget=64)})
 
 
 def test_layer_override_changes_observation(tiny):
