@@ -83,7 +83,7 @@ def test_refuses_another_configuration(data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds another configuration" in err and "tau" in err
     assert main(_args(data, out, "--set", "epikv.n_sink=2", budgets="48", policies="epikv")) == 2
-    assert "policy_args" in capsys.readouterr().err  # other policy settings: another folder
+    assert "epikv.n_sink" in capsys.readouterr().err  # other policy settings: another folder
     assert len(read_records(out)) == 6  # nothing mixed in
 
 

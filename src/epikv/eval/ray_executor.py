@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .records import RecordWriter
-from .runner import Plan, Progress, run_batch
+from .records import open_store
+from .runner import Plan, Progress, claim_batch, run_batch
 
 
 class _Worker:
@@ -54,25 +54,35 @@ def run_ray(plan: Plan, records_path: Path, workers: int | None = None, address:
         problems_ref = ray.put(plan.problems)
         pool = [actor.remote(plan.spec, problems_ref, str(i)) for i in range(workers)]
         queue = list(plan.batches)
-        bar = Progress(plan.n_cells, quiet)
+        bar = Progress(plan.n_cells, quiet, done=plan.n_done)
         running = {}
         n = 0
-        with RecordWriter(records_path) as w:
-            for a in pool:  # fill every worker, then refill whichever finishes first
-                if queue:
+        with open_store(records_path.parent, records_path.name) as store:
+
+            def next_batch():  # the next batch's cells not finished or claimed by another process
+                while queue:
                     b = queue.pop(0)
+                    mine = claim_batch(store, b)
+                    if mine is None or len(mine.ids) < len(b.ids):
+                        bar.skip(len(b.ids) - (len(mine.ids) if mine else 0))
+                    if mine is not None:
+                        return mine
+                return None
+
+            for a in pool:  # fill every worker, then refill whichever finishes first
+                b = next_batch()
+                if b is not None:
                     running[a.run.remote(b)] = (a, b)
             while running:
                 ready, _ = ray.wait(list(running), num_returns=1)
                 a, b = running.pop(ready[0])
                 recs = ray.get(ready[0])
                 bar.start(b)
-                for r in recs:
-                    w.write(r)
+                store.append(recs)
                 n += len(recs)
                 bar.update(recs)
-                if queue:
-                    nb = queue.pop(0)
+                nb = next_batch()
+                if nb is not None:
                     running[a.run.remote(nb)] = (a, nb)
         bar.close()
         for a in pool:

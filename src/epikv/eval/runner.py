@@ -6,19 +6,18 @@ batches run. Records are built by `run_batch`, the same function on every execut
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..errors import EpiKVError
 from .datasets import Dataset
 from ..failure import detect
 from .grading import grade
 from .prompts import Protocol, build_prompt
-from .records import RecordWriter, done_cells, ensure_config
+from .records import ensure_config, open_store
 
 
 @dataclass
@@ -51,6 +50,7 @@ class Plan:
     spec: EvalSpec
     problems: dict[str, dict]  # id -> row (+ "prompt_ids")
     batches: list[Batch] = field(default_factory=list)
+    n_done: int = 0  # cells of this run (shard) already in the directory when it was planned
 
     @property
     def n_cells(self) -> int:
@@ -111,34 +111,23 @@ def check_budgets(problems: dict[str, dict], policies: list[str], budgets: list[
                                  f"--limit the problems")
 
 
-def peak_memory(device) -> tuple[int, str]:
-    import torch
-
-    if device is not None and torch.device(device).type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss * (1 if sys.platform == "darwin" else 1024)), "process_max_rss"
-
-
 def run_batch(lm, spec: EvalSpec, problems: dict[str, dict], batch: Batch, executor: str = "local",
               worker: str = "0") -> list[dict]:
     """Generate one batch and grade it: one record per problem."""
-    import torch
-
-    from ..engine import Sampling, generate
+    from ..engine import Sampling, generate, sequence_seed
+    from ..measure import RunPeak, kv_bytes_per_token
 
     device = next(lm.model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    sampling = Sampling(temperature=spec.protocol.temperature, top_p=spec.protocol.top_p,
-                        seed=spec.seed + batch.sample)
+    sampling = Sampling(temperature=spec.protocol.temperature, top_p=spec.protocol.top_p, seed=spec.seed)
     rows = [problems[i] for i in batch.ids]
+    # one seed per sequence from (base seed, problem, sample): a sample does not depend on its batch or shard
+    seeds = [sequence_seed(spec.seed, r["id"], batch.sample) for r in rows]
     t0 = time.perf_counter()
-    res = generate(lm.model, lm.tokenizer, [r["prompt_ids"] for r in rows], policy=batch.policy, budget=batch.budget,
-                   tau=spec.tau, max_new_tokens=spec.max_new_tokens, sampling=sampling,
-                   **spec.settings.get(batch.policy, {}))
+    with RunPeak(device) as peak:  # this batch's own peak, not the process's high-water mark
+        res = generate(lm.model, lm.tokenizer, [r["prompt_ids"] for r in rows], policy=batch.policy,
+                       budget=batch.budget, tau=spec.tau, max_new_tokens=spec.max_new_tokens, sampling=sampling,
+                       seeds=seeds, **spec.settings.get(batch.policy, {}))
     wall = time.perf_counter() - t0
-    mem, mem_kind = peak_memory(device)
     st = res.stats
     total_new = max(sum(st["new_tokens"]), 1)
     recs = []
@@ -150,7 +139,7 @@ def run_batch(lm, spec: EvalSpec, problems: dict[str, dict], batch: Batch, execu
         rec = {
             "dataset": spec.dataset, "model": spec.model, "protocol": spec.protocol.name,
             "id": r["id"], "policy": batch.policy, "budget": batch.budget, "tau": st["tau"], "sample": batch.sample,
-            "seed": sampling.seed, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "seed": seeds[j], "temperature": sampling.temperature, "top_p": sampling.top_p,
             "prompt_tokens": res.prompt_tokens[j], "new_tokens": len(toks), "max_new_tokens": spec.max_new_tokens,
             "finish_reason": res.finish_reasons[j], "gold": r["answer"], **g,
             "hit_cap": hit_cap, "empty": fm.get("empty"), "no_answer": fm.get("no_answer"),
@@ -158,7 +147,9 @@ def run_batch(lm, spec: EvalSpec, problems: dict[str, dict], batch: Batch, execu
             # Batch-level measurements: the batch ran as one; time is shared in proportion to tokens.
             "batch_size": len(rows), "wall_seconds": round(wall, 4),
             "seconds_per_1k_tokens": round(1000 * wall / total_new, 4),
-            "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
+            "peak_memory_bytes": peak.bytes, "peak_memory_kind": peak.kind,
+            # the batch's KV cache at its largest: stored slots (left padding included) x bytes per token x rows
+            "kv_cache_peak_bytes": st["max_cache_tokens"] * kv_bytes_per_token(lm.model) * len(rows),
             "evictions": st["evictions"], "max_cache_tokens": st["max_cache_tokens"],
             "executor": executor, "worker": worker, "finished_at": round(time.time(), 3),
         }
@@ -169,52 +160,82 @@ def run_batch(lm, spec: EvalSpec, problems: dict[str, dict], batch: Batch, execu
 
 
 def prepare(out: Path, ds: Dataset, spec: EvalSpec, policies: list[str], budgets: list[int], samples: int,
-            batch_size: int, shard: tuple[int, int] | None, tokenizer, config: dict) -> Plan:
-    """Check inputs, write or check config.json, and plan the batches still to run."""
+            batch_size: int, shard: tuple[int, int] | None, tokenizer, config: dict,
+            normalise: Callable[[dict], dict] | None = None) -> Plan:
+    """Check inputs, write or check config.json, and plan the batches still to run. Records keep the dataset name
+    the directory was created with (the same data named differently stays one dataset)."""
     problems = {}
     for r in ds.rows:
         problems[r["id"]] = dict(r, prompt_ids=build_prompt(tokenizer, r["problem"], spec.protocol))
     check_budgets(problems, policies, budgets, spec.settings, spec.tau)
-    ensure_config(out, config)
-    done = done_cells(out)
-    todo = [c for c in all_cells(list(problems), policies, budgets, samples) if in_shard(c, shard) and c not in done]
+    held = ensure_config(out, config, normalise)
+    spec.dataset = held.get("dataset", spec.dataset)
+    store = open_store(out)
+    cells = [c for c in all_cells(list(problems), policies, budgets, samples) if in_shard(c, shard)]
+    todo = [c for c in cells if c not in store.done]
     lens = {i: len(r["prompt_ids"]) for i, r in problems.items()}
-    return Plan(spec, problems, make_batches(todo, lens, batch_size))
+    return Plan(spec, problems, make_batches(todo, lens, batch_size), n_done=len(cells) - len(todo))
 
 
 class Progress:
-    """tqdm bar over generations: current cell, accuracy so far and ETA."""
+    """Progress over generations (`epikv.progress`): a tqdm bar on a terminal, plain periodic lines otherwise
+    ("eval: 12/60 cells, 3.1 min elapsed, ~12 min left"), with the current batch and the accuracy so far."""
 
-    def __init__(self, total: int, quiet: bool = False):
-        from tqdm import tqdm
+    def __init__(self, total: int, quiet: bool = False, done: int = 0):
+        from ..progress import Progress as _P
 
-        self.bar = tqdm(total=total, unit="gen", disable=quiet or None, file=sys.stderr, dynamic_ncols=True)
+        self.p = _P("eval", total=done + total, unit="cells", done=done, quiet=quiet)
         self.n = self.ok = 0
+        self.batch = ""
 
     def start(self, batch: Batch) -> None:
-        self.bar.set_description(f"{batch.policy} K={batch.budget} s{batch.sample}")
+        self.batch = f"{batch.policy} K={batch.budget} s{batch.sample}"
+        self._status()
+
+    def _status(self) -> None:
+        acc = f", acc {self.ok / self.n:.1%}" if self.n else ""
+        self.p.set_status(self.batch + acc)
 
     def update(self, recs: list[dict]) -> None:
         self.n += len(recs)
-        self.ok += sum(r["correct"] for r in recs)
-        self.bar.set_postfix(acc=f"{self.ok / max(self.n, 1):.1%}")
-        self.bar.update(len(recs))
+        self.ok += sum(bool(r["correct"]) for r in recs)
+        self._status()
+        self.p.update(len(recs))
+
+    def skip(self, n: int) -> None:
+        """Cells found finished or taken by another process."""
+        self.p.skip(n)
 
     def close(self) -> None:
-        self.bar.close()
+        self.p.close()
+
+
+def claim_batch(store, batch: Batch) -> Batch | None:
+    """The part of `batch` this process may run: cells neither finished nor claimed by a live process (claimed
+    here until their records are written)."""
+    cells = [(i, batch.policy, batch.budget, batch.sample) for i in batch.ids]
+    got = set(store.claim(cells))
+    ids = tuple(c[0] for c in cells if c in got)
+    return Batch(batch.policy, batch.budget, batch.sample, ids) if ids else None
 
 
 def run_local(plan: Plan, lm, records_path: Path, quiet: bool = False) -> int:
-    bar = Progress(plan.n_cells, quiet)
+    """Run the planned batches; several processes may share the directory (each cell runs once)."""
+    bar = Progress(plan.n_cells, quiet, done=plan.n_done)
     n = 0
-    with RecordWriter(records_path) as w:
-        for b in plan.batches:
-            bar.start(b)
-            recs = run_batch(lm, plan.spec, plan.problems, b)
-            for r in recs:
-                w.write(r)
-            n += len(recs)
-            bar.update(recs)
-    bar.close()
+    try:
+        with open_store(records_path.parent, records_path.name) as store:
+            for b in plan.batches:
+                mine = claim_batch(store, b)
+                if mine is None or len(mine.ids) < len(b.ids):
+                    bar.skip(len(b.ids) - (len(mine.ids) if mine else 0))
+                if mine is None:
+                    continue
+                bar.start(mine)
+                recs = run_batch(lm, plan.spec, plan.problems, mine)
+                store.append(recs)
+                n += len(recs)
+                bar.update(recs)
+    finally:
+        bar.close()
     return n
-

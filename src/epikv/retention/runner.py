@@ -8,7 +8,6 @@ runs once per trace (same chunks) and every (policy, budget) run is compared wit
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,8 @@ from ..engine import Decoder, attention_for, encode_prompts
 from ..errors import EpiKVError
 from ..policies import get_policy
 from .metrics import Accumulator, Reference
-from .store import append_record, read_records
+from ..measure import RunPeak
+from ..store import Store
 
 THINK_END = "</think>"
 KIND = "retention"
@@ -103,15 +103,8 @@ def _stream(model, item: TraceItem, policy, budget: int | None, on_logits: Calla
     return fwd, stats, stats["max_cache_tokens"] * per_token / 2**20
 
 
-def _cuda_peak_reset(model) -> None:
-    if torch.cuda.is_available() and model.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(model.device)
-
-
-def _cuda_peak(model) -> float | None:
-    if torch.cuda.is_available() and model.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(model.device) / 2**20
-    return None
+def _mib(n: int | None) -> float | None:
+    return None if n is None else n / 2**20
 
 
 def reference_pass(model, item: TraceItem, tau: int) -> Reference:
@@ -123,13 +116,15 @@ def reference_pass(model, item: TraceItem, tau: int) -> Reference:
         logp = torch.log_softmax(logits[: n_pred - j].float(), dim=-1)
         chunks.append((logp, logp.argmax(-1)))
 
-    _cuda_peak_reset(model)
-    secs, stats, kv = _stream(model, item, get_policy("full", tau=tau), None, keep)
+    with RunPeak(model.device) as peak:  # this pass's own peak (CUDA allocator, else sampled RSS)
+        secs, stats, kv = _stream(model, item, get_policy("full", tau=tau), None, keep)
     logp = torch.cat([c[0] for c in chunks])
-    return Reference(logp=logp, top1=torch.cat([c[1] for c in chunks]),
-                     targets=torch.tensor(item.reasoning_ids + item.answer_ids, device=logp.device),
-                     n_reasoning=len(item.reasoning_ids), seconds=secs,
-                     peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_cuda_peak(model))
+    ref = Reference(logp=logp, top1=torch.cat([c[1] for c in chunks]),
+                    targets=torch.tensor(item.reasoning_ids + item.answer_ids, device=logp.device),
+                    n_reasoning=len(item.reasoning_ids), seconds=secs,
+                    peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes))
+    ref.peak_mem_kind = peak.kind
+    return ref
 
 
 def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int | None, tau: int,
@@ -137,11 +132,11 @@ def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int
     """Metrics of one (policy, budget) run on one trace against the reference."""
     pol = get_policy(policy, tau=tau, **settings)
     acc = Accumulator(ref)
-    _cuda_peak_reset(model)
-    secs, stats, kv = _stream(model, item, pol, budget if pol.evicts else None, acc.add)
+    with RunPeak(model.device) as peak:  # this run's own peak, not the process's high-water mark
+        secs, stats, kv = _stream(model, item, pol, budget if pol.evicts else None, acc.add)
     out = acc.result()
     out.update(seconds=secs, evictions=stats["evictions"], peak_cache_tokens=stats["max_cache_tokens"],
-               peak_kv_mib=kv, peak_mem_mib=_cuda_peak(model))
+               peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes), peak_mem_kind=peak.kind)
     return out
 
 
@@ -151,7 +146,7 @@ def reference_metrics(ref: Reference) -> dict:
     acc.add_logp(0, ref.logp)
     out = acc.result()
     out.update(seconds=ref.seconds, evictions=0, peak_cache_tokens=ref.peak_cache_tokens, peak_kv_mib=ref.peak_kv_mib,
-               peak_mem_mib=ref.peak_mem_mib)
+               peak_mem_mib=ref.peak_mem_mib, peak_mem_kind=getattr(ref, "peak_mem_kind", None))
     return out
 
 
@@ -178,11 +173,15 @@ def _check_config(out_dir: Path, config: dict) -> None:
 def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, policies: Sequence[str],
                   budgets: Sequence[int], tau: int = 16, max_reasoning_tokens: int | None = None,
                   system: str | None = None, max_answer_tokens: int | None = None, model_name: str = "", settings_for: Callable[[str], dict] | None = None,
-                  log: Callable[[str], None] | None = None) -> dict:
+                  log: Callable[[str], None] | None = None, quiet: bool = False) -> dict:
     """Run every missing (trace, policy, budget) record, appending each to out_dir/results.jsonl.
 
-    `full` is run once per trace (budget null); other policies once per budget. Returns a summary dict."""
-    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    `full` is run once per trace (budget null); other policies once per budget. Several processes may share
+    out_dir: a trace's missing records are claimed before its reference pass, so each record is computed once.
+    Each record is logged as "[k/total] ...", k counting records finished (in this run or before); when stderr is
+    not a terminal a progress line with the time left also appears every 20 s. Returns a summary dict."""
+    from ..progress import Progress
+
     settings_for = settings_for or (lambda name: {})
     if not isinstance(tau, int) or tau < 1:
         raise EpiKVError(f"tau must be a positive integer, got {tau!r}")
@@ -192,57 +191,70 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_config(out_dir, {"model": model_name, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
                             "max_answer_tokens": max_answer_tokens, "system": system})
-    results = out_dir / "results.jsonl"
-    done = {record_key(r) for r in read_records(results) if r.get("kind") == KIND}
+    store = Store(out_dir, "results.jsonl", lambda r: record_key(r) if r.get("kind") == KIND else None)
+    results = store.path
     items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
-    for tid, why in skipped:
-        log(f"skipped trace {tid}: {why}")
     runs = [(name, None) if not get_policy(name).evicts else (name, b) for name in policies for b in budgets]
     runs = list(dict.fromkeys(runs))  # `full` once, whatever the budgets
-    summary = {"written": 0, "already_done": 0, "skipped_traces": skipped, "failed": []}
+    plan = [(item, [(name, b, settings_for(name)) for name, b in runs]) for item in items]
+    key = lambda item, name, b, s: (item.id, name, b, json.dumps(s, sort_keys=True))  # noqa: E731
     total = len(items) * len(runs)
-    n = 0
-    for item in items:
-        todo = []
-        for name, b in runs:
-            s = settings_for(name)
-            key = (item.id, name, b, json.dumps(s, sort_keys=True))
-            if key in done:
-                summary["already_done"] += 1
-                n += 1  # the progress counter counts finished records too
-            else:
-                todo.append((name, b, s))
-        if not todo:
-            n += len(runs)
-            continue
-        t_ref = time.perf_counter()
-        ref = reference_pass(model, item, tau)
-        ref_wall = time.perf_counter() - t_ref
-        full_metrics = reference_metrics(ref)
-        for name, b, s in todo:
-            n += 1
-            base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau, "model": model_name,
-                    "max_reasoning_tokens": max_reasoning_tokens, "max_answer_tokens": max_answer_tokens, "settings": s,
-                    "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
-                    "answer_tokens": len(item.answer_ids), **item.meta}
-            t0 = time.perf_counter()
-            try:
-                m = dict(full_metrics) if name == "full" else policy_pass(model, item, ref, name, b, tau, **s)
-            except EpiKVError as e:  # e.g. a budget below the protected prompt: this record only
-                log(f"[{n}/{total}] {item.id} {name} K={b}: not run: {e}")
-                summary["failed"].append((item.id, name, b, str(e)))
-                continue
-            full_nll = full_metrics["answer_nll"]
-            # `full` is the shared reference pass: its wall time is that pass's
-            wall = ref_wall if name == "full" else time.perf_counter() - t0
-            rec = {**base, **m, "full_answer_nll": full_nll, "answer_nll_increase": m["answer_nll"] - full_nll,
-                   "wall_s": wall,
-                   "tokens_per_s": (len(item.ids) - len(item.prompt_ids)) / max(m["seconds"], 1e-9)}
-            append_record(results, rec)
-            summary["written"] += 1
-            log(f"[{n}/{total}] {item.id} {name} K={b}: answer NLL {rec['answer_nll_increase']:+.4f}, "
-                f"top-1 {100 * rec['top1_agreement']:.1f}%, KL {rec['kl']:.4f} ({m['seconds']:.1f} s)")
-        del ref
+    already = sum(key(item, *r) in store.done for item, rs in plan for r in rs)
+    summary = {"written": 0, "already_done": already, "skipped_traces": skipped, "failed": [],
+               "claimed_elsewhere": 0}
+    progress = Progress("retention", total=total, unit="records", done=already, quiet=quiet, bar=False)
+    log = log or progress.note
+    for tid, why in skipped:
+        log(f"skipped trace {tid}: {why}")
+    try:
+        with store:
+            for item, rs in plan:
+                keys = [key(item, *r) for r in rs]
+                if all(k in store.done for k in keys):
+                    continue
+                mine = set(store.claim(keys))  # taken by this process until written (or released on exit)
+                finished_meanwhile = [k for k in keys if k not in mine and k in store.done]
+                elsewhere = [k for k in keys if k not in mine and k not in store.done]
+                progress.skip(len(finished_meanwhile) + len(elsewhere))
+                summary["already_done"] += len(finished_meanwhile)
+                summary["claimed_elsewhere"] += len(elsewhere)
+                todo = [r for r, k in zip(rs, keys) if k in mine]
+                if not todo:
+                    continue
+                progress.set_status(f"{item.id}: full reference")
+                t_ref = time.perf_counter()
+                ref = reference_pass(model, item, tau)
+                ref_wall = time.perf_counter() - t_ref
+                full_metrics = reference_metrics(ref)
+                for name, b, s in todo:
+                    progress.set_status(f"{item.id}: {name} K={b}")
+                    base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau,
+                            "model": model_name, "max_reasoning_tokens": max_reasoning_tokens,
+                            "max_answer_tokens": max_answer_tokens, "settings": s,
+                            "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
+                            "answer_tokens": len(item.answer_ids), **item.meta}
+                    t0 = time.perf_counter()
+                    try:
+                        m = dict(full_metrics) if name == "full" else policy_pass(model, item, ref, name, b, tau, **s)
+                    except EpiKVError as e:  # e.g. a budget below the protected prompt: this record only
+                        progress.update(1)
+                        store.release([key(item, name, b, s)])
+                        log(f"[{progress.n}/{total}] {item.id} {name} K={b}: not run: {e}")
+                        summary["failed"].append((item.id, name, b, str(e)))
+                        continue
+                    full_nll = full_metrics["answer_nll"]
+                    # `full` is the shared reference pass: its wall time is that pass's
+                    wall = ref_wall if name == "full" else time.perf_counter() - t0
+                    rec = {**base, **m, "full_answer_nll": full_nll, "answer_nll_increase": m["answer_nll"] - full_nll,
+                           "wall_s": wall,
+                           "tokens_per_s": (len(item.ids) - len(item.prompt_ids)) / max(m["seconds"], 1e-9)}
+                    store.append([rec])
+                    summary["written"] += 1
+                    progress.update(1)
+                    log(f"[{progress.n}/{total}] {item.id} {name} K={b}: answer NLL {rec['answer_nll_increase']:+.4f}, "
+                        f"top-1 {100 * rec['top1_agreement']:.1f}%, KL {rec['kl']:.4f} ({m['seconds']:.1f} s)")
+                del ref
+    finally:
+        progress.close()
     summary["results"] = str(results)
     return summary
-
