@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -231,19 +232,116 @@ def test_lagkv_normalises_against_next_partition_and_keeps_top_half():
             assert top == {i for i in kept if sink + p * lag <= i < sink + (p + 1) * lag}
 
 
-def test_rkv_drops_older_of_two_near_identical_keys():
-    torch.manual_seed(1)
-    n, dim = 16, 16
-    k = torch.linalg.qr(torch.randn(dim, dim))[0][None, None].clone()  # orthonormal keys: no other redundancy
-    k[0, 0, 6] = k[0, 0, 2] + 1e-3  # token 6 repeats token 2
-    real = torch.ones(1, n, dtype=torch.bool)
-    red = redundancy(k, real, 0.5)[0, 0]
-    assert red[2] > red[6] and red[2] == red.max()
-    pol = get_policy("rkv", kernel=1)
-    q = torch.zeros(1, 1, 8, dim)  # uniform attention: importance equal everywhere
-    view = _view(n, n - 1, 8, keys=[k], values=[k], queries=[q], query_valid=torch.ones(1, 8, dtype=torch.bool))
+@pytest.mark.parametrize("budget", [256, 512])
+def test_lagkv_scores_at_small_budgets(tiny, budget):
+    """The paper's lag (1024) would never score at K <= 1024 (StreamingLLM under LagKV's name). The default
+    L = min(1024, (K - 16) // 2) ranks by score at every eviction: the keep sets are not sinks + newest, differ
+    per head, and each scored partition keeps its top half by `partition_scores`."""
+    pol = get_policy("lagkv", tau=16)
+    assert pol.partition_size(budget) == (budget - 16) // 2
+    assert get_policy("lagkv").partition_size(4096) == 1024
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (1, budget + 120))
+    seen = []
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, pol, budget)
+        orig = dec.cache.evict
+        dec.cache.evict = lambda: seen.append((dec.cache.view().length, orig())) or seen[-1][1]
+        dec.prefill(ids[:, :16], [0])
+        for s in range(16, ids.shape[1], 16):
+            dec.step(ids[:, s : s + 16])
+    assert len(seen) >= 5
+    for n, keep in seen:  # keep: [1, layers, kv_heads, budget]
+        streaming = torch.cat([torch.arange(16), torch.arange(n - (budget - 16), n)])
+        for l in range(keep.shape[1]):
+            for h in range(keep.shape[2]):
+                assert not torch.equal(keep[0, l, h], streaming), (n, l, h)
+        assert not torch.equal(keep[0, :, 0], keep[0, :, 1])  # per head
+    lag = (budget - 16) // 2
+    n, keep = seen[-1]
+    assert n == budget + 16 and set(range(16)) <= set(keep[0, 0, 0].tolist())
+    # the oldest scored partition loses its 16 lowest-scored tokens (the cache is one chunk over budget)
+    kept = set(keep[0, 0, 0].tolist())
+    assert set(range(16 + lag, n)) <= kept and len(kept & set(range(16, 16 + lag))) == lag - 16
+
+
+def test_lagkv_explicit_lag_that_never_scores_is_refused(tiny):
+    from epikv.cache import EpiKVCache
+
+    with pytest.raises(EpiKVError, match="lag 1024 never scores at budget 512"):
+        EpiKVCache(tiny.model, "lagkv", 512, tau=16, lag=1024)
+    EpiKVCache(tiny.model, "lagkv", 256, tau=16, lag=128)  # 2 * 128 <= 256 + 16 - 16: scores
+    with pytest.raises(EpiKVError, match="never scores"):
+        EpiKVCache(tiny.model, "lagkv", 256, tau=1, lag=128)
+    with pytest.raises(EpiKVError, match="lag must be an integer"):
+        get_policy("lagkv", lag=0)
+
+
+def _rkv_keys(n_pad=0):
+    """8 keys with hand-known cosines: 1, 3, 5 are copies (cos 1), 0 and 2 have cos 0.3 (below 0.5), the rest
+    orthogonal. n_pad garbage slots in front (left padding)."""
+    e = torch.eye(8)
+    k = e.clone()
+    k[1], k[3], k[5] = e[1], 2 * e[1], 3 * e[1]
+    k[2] = 0.3 * e[0] + math.sqrt(1 - 0.09) * e[2]
+    pad = torch.full((n_pad, 8), 7.0)
+    return torch.cat([pad, k])[None, None]  # [1, 1, n_pad + 8, 8]
+
+
+def test_rkv_redundancy_zeroes_newest_similar_entry_and_averages_columns():
+    """cal_similarity's rule by hand. Row 1 zeroes S[1,5], row 3 S[3,5], row 5 S[5,3] (the largest similar column);
+    rows 0, 2, 4, 6, 7 have no entry above 0.5 and zero their column-0 entry (S[2,0] = 0.3 goes). Column sums:
+    col 1 = S[3,1] + S[5,1] = 2, col 3 = S[1,3] = 1, col 5 = 0, col 2 = S[0,2] = 0.3; mean over the 8 rows; softmax."""
+    red = redundancy(_rkv_keys(), torch.ones(1, 8, dtype=torch.bool), 0.5)[0, 0]
+    want = torch.softmax(torch.tensor([0.0, 2.0, 0.3, 1.0, 0.0, 0.0, 0.0, 0.0]) / 8, -1)
+    torch.testing.assert_close(red, want)
+    # left padding: the real slots score exactly as the unpadded row, padding gets nothing
+    real = torch.tensor([[False] * 3 + [True] * 8])
+    red_p = redundancy(_rkv_keys(3), real, 0.5)[0, 0]
+    torch.testing.assert_close(red_p[3:], want)
+    assert (red_p[:3] == 0).all()
+
+
+def test_window_attention_pools_group_logits_by_max_before_softmax_and_skips_the_window():
+    """2 query heads on 1 KV head, window w = 2, n = 6: keys c_j * e0 with c = [1, 2, 0, -1 | 5, 5] (the window's own
+    keys are huge and must not take part). Head 0's queries are 2 e0 and -e0, head 1's -2 e0 and e0 (d = 4, so the
+    logits are a * c / 2): max over the heads gives |c| for query 0 and |c| / 2 for query 1; softmax over the four
+    keys before the window each; mean over the two queries."""
+    from epikv.policies.snapkv import window_attention
+
+    d, e0 = 4, torch.eye(4)[0]
+    c = torch.tensor([1.0, 2.0, 0.0, -1.0, 5.0, 5.0])
+    k = (c[:, None] * e0)[None, None]  # [1, 1, 6, 4]
+    q = torch.stack([torch.stack([2 * e0, -e0]), torch.stack([-2 * e0, e0])])[None]  # [1, 2 heads, w = 2, 4]
+    view = _view(6, 5, 2, keys=[k], values=[k], queries=[q], query_valid=torch.ones(1, 2, dtype=torch.bool))
+    got = window_attention(view, kernel=1)[0, 0, 0]
+    a = torch.tensor([1.0, 2.0, 0.0, 1.0])
+    want = (torch.softmax(a, -1) + torch.softmax(a / 2, -1)) / 2
+    torch.testing.assert_close(got[:4], want)
+    assert (got[4:] == 0).all()
+    # the "mean" option averages the logits (here they cancel: uniform), not the probabilities
+    torch.testing.assert_close(window_attention(view, kernel=1, group="mean")[0, 0, 0, :4], torch.full((4,), 0.25))
+    # position pooling (kernel 3, max): over the scored keys only, same padding
+    pooled = window_attention(view, kernel=3)[0, 0, 0]
+    torch.testing.assert_close(pooled[:4], torch.stack([want[:2].max(), want[:3].max(), want[1:4].max(), want[2:4].max()]))
+    assert get_policy("snapkv").group == get_policy("rkv").group == "max"
+
+
+def test_rkv_score_is_lambda_weighted_and_evicts_the_most_redundant():
+    """score = lam * importance - (1 - lam) * redundancy with lam = 0.1 (paper and run scripts; code class default
+    0.07). Zero queries give uniform importance 1/6 over the 6 keys before the window (w = 2)."""
+    pol = get_policy("rkv", window=2)
+    assert pol.lam == 0.1
+    k = _rkv_keys()
+    q = torch.zeros(1, 1, 2, 8)
+    view = _view(8, 7, 2, keys=[k], values=[k], queries=[q], query_valid=torch.ones(1, 2, dtype=torch.bool))
+    red = torch.softmax(torch.tensor([0.0, 2.0, 0.3, 1.0, 0.0, 0.0, 0.0, 0.0]) / 8, -1)
+    score = pol.scores(None, view)[0, 0, 0]
+    torch.testing.assert_close(score[:6], 0.1 / 6 - 0.9 * red[:6])
     keep = select_keep(pol.scores(None, view), view)[0, 0, 0].tolist()
-    assert 2 not in keep and 6 in keep
+    assert keep == [0, 2, 3, 4, 5, 6, 7]  # token 1, the oldest of three copies, goes
+    pol3 = get_policy("rkv", window=2, lam=0.3)
+    torch.testing.assert_close(pol3.scores(None, view)[0, 0, 0, :6], 0.3 / 6 - 0.7 * red[:6])
 
 
 def test_snapkv_keeps_attended_tokens_with_pooling():
@@ -354,10 +452,12 @@ def test_recomputed_queries_match_eager_attention(tiny):
             dec.step(torch.tensor([[42]]))
         finally:
             h.remove()
-        imp = window_attention(dec.cache.view(), kernel=1)  # [1, layers, kv_heads, n]
-    eager = got["w"][0, :, -1].float()  # [heads, n]
-    pooled = eager.reshape(2, 2, -1).mean(1)
-    assert torch.allclose(imp[0, 1], pooled, atol=1e-5)
+        imp = window_attention(dec.cache.view(), kernel=1, group="mean")  # [1, layers, kv_heads, n]
+    # log of the eager weights = logits - a per-head constant; group-mean logits over the keys before the newest
+    # (the window of 1), renormalised by the softmax, cancel that constant
+    logw = got["w"][0, :, -1, :-1].float().log()  # [heads, n - 1]
+    want = logw.reshape(2, 2, -1).mean(1).softmax(-1)
+    assert torch.allclose(imp[0, 1, :, :-1], want, atol=1e-5) and (imp[0, 1, :, -1] == 0).all()
 
 
 def test_attention_policies_refuse_flash(tiny):

@@ -9,18 +9,24 @@ from .snapkv import SnapKV, window_attention
 
 
 def redundancy(k: torch.Tensor, real: torch.Tensor, threshold: float) -> torch.Tensor:
-    """R-KV redundancy per head: k [batch, kv_heads, n, dim], real [batch, n] bool -> [batch, kv_heads, n].
+    """R-KV redundancy per KV head: k [batch, kv_heads, n, dim], real [batch, n] bool -> [batch, kv_heads, n].
 
-    Cosine similarity of normalised keys, diagonal zeroed; where a pair is above `threshold` only the newest copy
-    is spared (its similarity to older copies is zeroed); row mean; softmax over real tokens."""
-    kn = torch.nn.functional.normalize(k.float(), dim=-1)
+    The rule of `Zefan-Cai/R-KV`, `rkv/utils.py` (`cal_similarity`, retain direction "last"): keys normalised,
+    cosine matrix S [n, n] with the diagonal set to 0; in each row i ONE entry is zeroed, S[i, j] for the largest
+    (newest) column j with S[i, j] > threshold, or the first token's column when there is none; redundancy of
+    token j = mean of column j over all rows, then a softmax over all positions. Padding rows and columns are
+    left out (a padded row gives what the unpadded row would)."""
+    b, _, n, _ = k.shape
+    k = k.float()
+    kn = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     sim = kn @ kn.transpose(-1, -2)  # [batch, kv_heads, n, n]
     pair = real[:, None, :, None] & real[:, None, None, :]
-    sim = sim * pair * (1 - torch.eye(k.shape[2], device=k.device))
-    close = sim > threshold
-    has_newer = close.triu(diagonal=1).any(-1)  # a newer near-copy exists
-    sim = sim.masked_fill(close & ~has_newer[..., None], 0.0)  # the newest copy is not redundant
-    red = sim.sum(-1) / real.sum(-1).clamp(min=1)[:, None, None]
+    sim = sim.masked_fill(~pair | torch.eye(n, dtype=torch.bool, device=k.device), 0.0)
+    first = (~real).sum(-1).clamp(max=n - 1)  # [batch] first real slot (left padding)
+    col = torch.arange(n, device=k.device)
+    cand = torch.where(sim > threshold, col, first[:, None, None, None])
+    sim = sim.scatter(-1, cand.amax(-1, keepdim=True), 0.0)  # the newest similar copy is not counted against i
+    red = sim.sum(-2) / real.sum(-1).clamp(min=1)[:, None, None]  # column mean over the real rows
     return red.masked_fill(~real[:, None, :], float("-inf")).softmax(-1)
 
 
@@ -28,10 +34,12 @@ def redundancy(k: torch.Tensor, real: torch.Tensor, threshold: float) -> torch.T
 class RKV(SnapKV):
     """R-KV, redundancy-aware KV compression for reasoning models (Cai et al., arXiv:2505.24133), per KV head.
 
-    Every tau = 128 steps: importance = SnapKV's decode score (mean softmax attention of the last 8 cached queries,
-    recomputed, max-pooled with kernel 7); redundancy = per-head key cosine similarity (see `redundancy`);
-    score = lam * importance - (1 - lam) * redundancy with lam = 0.1 (the paper; the authors' code uses 0.07).
-    Keeps the 8 newest + the top (K - 8) per head; the prompt is not protected. Main attention stays SDPA.
+    Every tau = 128 steps: importance = SnapKV's decode score over the keys before the 8-query window (query heads
+    of a GQA group max-pooled on logits before the softmax, mean over the queries, max-pooled over positions with
+    kernel 7; see `window_attention`); redundancy = per-head key cosine similarity (see `redundancy`);
+    score = lam * importance - (1 - lam) * redundancy, lam = 0.1 (the paper and the authors' run scripts; the
+    class default in their code, `rkv/compression/r1_kv.py`, is 0.07). Keeps the 8 newest + the top (K - 8) per
+    head; the prompt is not protected. Main attention stays SDPA.
     """
 
     lam: float = 0.1
@@ -46,7 +54,7 @@ class RKV(SnapKV):
             raise EpiKVError(f"rkv: lam must be in [0, 1], got {self.lam}")
 
     def scores(self, state, view):
-        imp = window_attention(view, self.kernel, self.pool)  # [batch, layers, kv_heads, n]
-        real = torch.arange(view.length, device=view.device)[None, :] >= view.n_pad[:, None]
+        imp = window_attention(view, self.kernel, self.pool, self.group)  # [batch, layers, kv_heads, n]
+        real = torch.arange(view.length, device=view.device)[None, :] >= view.n_pad.to(view.device)[:, None]
         red = torch.stack([redundancy(k.to(view.device), real, self.threshold) for k in view.keys], dim=1)
         return self.lam * imp - (1 - self.lam) * red
