@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .errors import EpiKVError
-from .policies import CacheView, Policy, StepObservation, get_policy, select_keep
+from .policies import CacheView, Policy, StepObservation, get_policy
 
 
 class BufferLayer(DynamicLayer):
@@ -190,7 +190,7 @@ def _query_hook(layer_idx: int):
 
     def hook(module, args, kwargs):
         cache = _cache_from(kwargs)
-        if not (isinstance(cache, EpiKVCache) and cache._n_queries):
+        if not (isinstance(cache, EpiKVCache) and cache._n_queries and layer_idx in cache._query_layers):
             return
         w = cache._n_queries
         h = kwargs.get("hidden_states", args[0] if args else None)[:, -w:]  # [batch, t, hidden]
@@ -264,6 +264,7 @@ class EpiKVCache(Cache):
         self._capture_attn = frozenset(obs.attention_layers)
         self._needs_kv = obs.keys_values
         self._n_queries = obs.queries
+        self._query_layers = frozenset(obs.query_layers or range(self.n_layers))
         # layers the policy never compresses (knorm's first two): they keep every token; lengths come from `_ref`
         self._full_layers = frozenset(self.policy.uncompressed_layers(self.n_layers)) if self.policy.evicts else frozenset()
         check_layers(self._full_layers, self.n_layers)
@@ -279,8 +280,9 @@ class EpiKVCache(Cache):
         for l in obs.attention_layers:
             _install_hook(layers[l].self_attn, "attention", _attention_hook(l))
         if obs.queries:
-            for l, layer in enumerate(layers):
-                _install_hook(layer.self_attn, "query", _query_hook(l))
+            check_layers(obs.query_layers, self.n_layers)
+            for l in sorted(self._query_layers):
+                _install_hook(layers[l].self_attn, "query", _query_hook(l))
         _install_hook(model.model, "after", _after_stack_hook)
         self._hidden: dict[int, torch.Tensor] = {}
         self._attn: dict[int, torch.Tensor] = {}
@@ -316,6 +318,7 @@ class EpiKVCache(Cache):
         self.n_protect = torch.tensor(prot, device=self.home)
         self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
         self.state = self.policy.init_state(len(prompt_lens), self.n_layers, self.home)
+        self._prefix = self._len_after_evict = max(p + q for p, q in zip(prot, n_pad))  # host ints for should_evict
 
     def feeds_one_at_a_time(self, n_tokens: int) -> bool:
         """Whether a forward of n_tokens must be split into single-token forwards: once uncompressed layers (e.g.
@@ -334,8 +337,10 @@ class EpiKVCache(Cache):
         self._end_step()
 
     def _end_step(self) -> None:
-        """Evict if the cache is over budget + tau - 1, then record what the step leaves stored."""
-        if self.policy.evicts and self.layers[self._ref].length > self.budget + self.tau - 1:
+        """Evict when the policy's schedule says so (default: over budget + tau - 1), then record what the step
+        leaves stored."""
+        n = self.layers[self._ref].length
+        if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict, n - self._prefix):
             self.evict()
         self._stored_after_step = self.layers[self._ref].length
         self.max_tokens = max(self.max_tokens, self._stored_after_step)
@@ -380,7 +385,9 @@ class EpiKVCache(Cache):
             self._query_valid = qv[:, -self._n_queries:]
         obs = StepObservation(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos,
                               stored=self.token_data, n_protect=self.n_protect,
-                              kv_heads=self.layers[self._ref].keys.shape[1])
+                              kv_heads=self.layers[self._ref].keys.shape[1],
+                              keys=[l.keys for l in self.layers] if self._needs_kv else [],
+                              values=[l.values for l in self.layers] if self._needs_kv else [])
         n_old = self._stored_after_step
         new = self.policy.on_tokens(self.state, obs)
         new["pos"] = pos  # true position of every stored token, kept aligned through evictions
@@ -401,14 +408,15 @@ class EpiKVCache(Cache):
             n_protect=self.n_protect, recent=self.recent,
             keys=[l.keys for l in self.layers] if self._needs_kv else [],
             values=[l.values for l in self.layers] if self._needs_kv else [], device=self.home,
-            queries=[self._queries[l] for l in range(self.n_layers)] if self._n_queries else [],
+            queries=[self._queries.get(l) for l in range(self.n_layers)] if self._n_queries else [],
             query_valid=self._query_valid,
         )
 
     def evict(self) -> torch.Tensor:
-        """Cut every sequence back to exactly `budget` stored tokens. Returns the keep indices."""
+        """Cut every sequence back to the policy's keep set (exactly `budget` tokens unless the policy keeps fewer).
+        Returns the keep indices."""
         view = self.view()
-        keep = select_keep(self.policy.scores(self.state, view), view)  # [batch, K] or [batch, layers, heads, K]
+        keep = self.policy.keep(self.state, view)  # [batch, K] or [batch, layers, heads, K], K <= budget
         per_head = keep.dim() == 4
         start = still = 0
         if keep.device.type == "cpu":
@@ -437,7 +445,7 @@ class EpiKVCache(Cache):
             self.token_data[key] = x.gather(-1, idx.expand(*x.shape[:-1], idx.shape[-1]))
         self.n_pad = (first < self.n_pad[:, None]).sum(-1)  # padding stays a prefix
         self.evictions += 1
-        self._stored_after_step = self.layers[self._ref].length
+        self._stored_after_step = self._len_after_evict = self.layers[self._ref].length
         return keep
 
     def load_prefix(self, other: "EpiKVCache", n_tokens: int) -> None:

@@ -10,8 +10,12 @@ from .epikv import EpiKVFlat
 from .epikv_a import EpiKVBandA
 from .epikv_band import EpiKVBand
 from .epikv_raw import EpiKVRaw
+from .epikv_seg import EpiKVSeg
+from .epikv_seg_q import EpiKVSegQ
 from .full import FullCache
+from .kv_var import KVKeyVariance, KVValueVariance
 from .lag_kv import LagKVVariant
+from .lag_kv_key import LagKVKey
 from .random_eviction import RandomEviction
 from .streaming import StreamingLLM
 from .h2o import H2O
@@ -27,7 +31,8 @@ from .tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, FullCache, StreamingLLM, RandomEviction,
+    for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, EpiKVSeg, EpiKVSegQ, KVKeyVariance,
+                KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction,
                 H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm)
 }
 

@@ -23,6 +23,7 @@ class Observes:
     attention_layers: tuple[int, ...] = ()  # softmax attention weights of these layers (forces eager attention)
     keys_values: bool = False  # the cached keys / values at eviction time
     queries: int = 0  # the last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)
+    query_layers: tuple[int, ...] = ()  # the layers whose queries are recomputed; () = every layer
 
     def describe(self) -> str:
         parts = []
@@ -33,7 +34,8 @@ class Observes:
         if self.keys_values:
             parts.append("cached keys/values")
         if self.queries:
-            parts.append(f"last {self.queries} query states (recomputed)")
+            where = (" at blocks " + ",".join(map(str, self.query_layers))) if self.query_layers else ""
+            parts.append(f"last {self.queries} query states{where} (recomputed)")
         return "; ".join(parts) or "nothing"
 
 
@@ -50,6 +52,10 @@ class StepObservation:
     stored: dict[str, torch.Tensor] = field(default_factory=dict)
     n_protect: torch.Tensor | None = None  # [batch] protected real tokens (the prompt when it is protected)
     kv_heads: int = 0  # KV heads per layer (per-head token data is [batch, layers, kv_heads, n])
+    # Observes.keys_values: per layer the stored keys / values [batch, kv_heads, n_old + T, head_dim], the T new
+    # tokens last (views, do not modify): what a score computed at arrival reads
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -65,8 +71,8 @@ class CacheView:
     keys: list[torch.Tensor]  # per layer [batch, kv_heads, length, head_dim] (views, do not modify)
     values: list[torch.Tensor]
     device: torch.device
-    # Observes.queries > 0: per layer the last w rotated queries [batch, heads, w, head_dim] (the newest last) and
-    # which of them are real tokens [batch, w]
+    # Observes.queries > 0: per layer the last w rotated queries [batch, heads, w, head_dim] (the newest last; None
+    # for a layer outside Observes.query_layers) and which of them are real tokens [batch, w]
     queries: list[torch.Tensor] = field(default_factory=list)
     query_valid: torch.Tensor | None = None
 
@@ -116,6 +122,17 @@ class Policy:
         raise NotImplementedError
 
     # -- shared rule -----------------------------------------------------------------------------------------------
+    def should_evict(self, length: int, budget: int, steps: int, decode_slots: int) -> bool:
+        """Whether the cache evicts after this step. length: stored slots; steps: slots stored since the last
+        eviction (since the prompt before the first); decode_slots: stored slots after the (padded) protected prefix.
+        Host integers only (no device sync). Default: over budget + tau - 1, i.e. every tau steps once full."""
+        return length > budget + self.tau - 1
+
+    def keep(self, state: Any, view: CacheView) -> torch.Tensor:
+        """The slots to keep, [batch, m] or [batch, layers, kv_heads, m], sorted, the same m for every row (tensors
+        stay rectangular). Default: exactly `budget` by `scores`; a policy may keep fewer (EpiKV-Seg's caps)."""
+        return select_keep(self.scores(state, view), view)
+
     def uncompressed_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers this policy never evicts from (they keep every token; only unpadded batches allow it)."""
         return ()

@@ -16,10 +16,26 @@ REF_BAND_A, REF_BAND_B = (7, 13), (18, 25)
 
 @dataclass
 class HiddenStatePolicy(Policy):
-    """A per-token score computed once from hidden-state deltas when the token enters the cache, then frozen."""
+    """A per-token score computed once from hidden-state deltas when the token enters the cache, then frozen.
+
+    Value reserve (`reserve` = N > 0; the authors' `hs_variance_detrend_v<stat><N>`, commit 121e62c, METHOD.md
+    section 4): at each eviction, among the evictable slots (after the protected prefix, before the recency window)
+    the top N by a value statistic (`reserve_stat`: range = max - min over head_dim, var, or L2 norm, averaged over
+    KV heads then layers) are always kept; they displace the lowest-scored survivors, so the cache is still exactly
+    K. If N exceeds the free slots, the highest-value reserved slots win.
+    """
 
     window: int = 64  # trailing window W of the rolling statistics
     eps: float = 1e-6
+    reserve: int = 0  # value reserve N (0: off; the authors ran 8, 16, 32, 64)
+    reserve_stat: str = "range"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from .kv_var import check_stat
+
+        check_stat(self.name, "reserve_stat", self.reserve_stat)
+
 
     def channels(self, n_layers: int) -> list[tuple[int, ...]]:
         """Groups of decoder blocks; each channel is the mean of g over its blocks."""
@@ -30,7 +46,8 @@ class HiddenStatePolicy(Policy):
         raise NotImplementedError
 
     def observes(self, n_layers: int) -> Observes:
-        return Observes(hidden_layers=tuple(sorted({l for ch in self.channels(n_layers) for l in ch})))
+        return Observes(hidden_layers=tuple(sorted({l for ch in self.channels(n_layers) for l in ch})),
+                        keys_values=self.reserve > 0)
 
     def init_state(self, batch: int, n_layers: int, device: torch.device) -> Any:
         chans = self.channels(n_layers)
@@ -53,7 +70,30 @@ class HiddenStatePolicy(Policy):
         return {"score": torch.where(obs.valid, score, torch.zeros_like(score))}
 
     def scores(self, state: Any, view: CacheView) -> torch.Tensor:
+        if self.reserve:
+            return reserve_priority(view.token_data["score"], view, self.reserve, self.reserve_stat)
         return view.token_data["score"]
+
+
+def reserve_priority(score: torch.Tensor, view: CacheView, n_reserve: int, stat: str) -> torch.Tensor:
+    """score [batch, n] -> a priority for `select_keep` in which the top `n_reserve` evictable slots by the value
+    statistic outrank every other evictable slot (ranks instead of scores: exact whatever the scores' scale)."""
+    from .kv_var import slot_statistic
+
+    dev = view.device
+    n = view.length
+    pr = torch.nan_to_num(score.to(dev).float(), nan=-3e38)
+    ar = torch.arange(n, device=dev, dtype=torch.float32).expand_as(pr)
+    rank = torch.empty_like(pr).scatter_(-1, pr.argsort(-1), ar)  # 0 = lowest score
+    idx = torch.arange(n, device=dev)
+    evictable = (idx >= (view.n_pad + view.n_protect).to(dev)[:, None]) & (idx < n - view.recent)  # [batch, n]
+    val = slot_statistic(view.values, stat, dev).masked_fill(~evictable, float("-inf"))
+    top = val.topk(min(n_reserve, n), dim=-1)
+    reserved = torch.zeros_like(evictable).scatter_(-1, top.indices, torch.isfinite(top.values))
+    vrank = torch.empty_like(pr).scatter_(-1, val.argsort(-1), ar)
+    return torch.where(reserved, n + vrank, rank)
+
+
 
 
 def default_pair(n_layers: int) -> tuple[int, int]:

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import EpiKVError
+from .base import CacheView, Observes
+from .epikv import EpiKVFlat
+from .kv_var import check_stat, slot_statistic
+
+RULES = ("pruned", "steps", "every")
+
+
+def segment_tiers(stats: torch.Tensor) -> torch.Tensor:
+    """Segment statistics [n_seg] -> tier per segment, 0 = R, 1 = E, 2 = T, by tertile.
+
+    s = sorted ascending, t_low = s[n // 3], t_high = s[2n // 3]; R if >= t_high, else E if >= t_low, else T (a tie
+    goes to the higher tier; a lone segment is R)."""
+    n = stats.numel()
+    s = stats.sort().values
+    t_low, t_high = s[n // 3], s[2 * n // 3]
+    two, one, zero = (torch.full_like(stats, v, dtype=torch.long) for v in (2, 1, 0))
+    return torch.where(stats >= t_high, zero, torch.where(stats >= t_low, one, two))
+
+
+def tier_pass(rank: torch.Tensor, seg_stat: torch.Tensor, first: int, prot_end: int, end: int, budget: int,
+              segment: int, caps: tuple[int, int, int]) -> torch.Tensor:
+    """One row's tier pass: bool [n] of the decode slots it keeps.
+
+    rank, seg_stat: [n]. Segments are `segment`-slot blocks of [first, end) (first = the row's first real slot,
+    end = the start of the recency window); decode slots are those >= prot_end. Oldest segment first, each keeps its
+    top min(cap of its tier, its decode slots, remaining budget) decode slots by rank."""
+    n, dev = rank.numel(), rank.device
+    chosen = torch.zeros(n, dtype=torch.bool, device=dev)
+    length = end - first
+    if length <= 0 or budget <= 0:
+        return chosen
+    n_seg = -(-length // segment)
+    pad = n_seg * segment - length
+    slot = torch.arange(first, first + n_seg * segment, device=dev).view(n_seg, segment)  # [n_seg, segment]
+    real = (slot < end)
+    st = torch.nn.functional.pad(seg_stat[first:end].float(), (0, pad)).view(n_seg, segment)
+    means = (st * real).sum(-1) / real.sum(-1)  # a partial last block is a segment: mean over its slots
+    cap = torch.tensor(caps, device=dev)[segment_tiers(means)]  # [n_seg]
+    decode = real & (slot >= prot_end)
+    avail = torch.minimum(cap, decode.sum(-1))
+    # sequential budget, oldest first: full takes until it runs out, then a partial one, then nothing
+    before = avail.cumsum(0) - avail
+    take = torch.minimum(avail, (budget - before).clamp(min=0))  # [n_seg]
+    r = torch.nn.functional.pad(rank[first:end].float(), (0, pad)).view(n_seg, segment)
+    r = torch.nan_to_num(r, nan=-3e38).masked_fill(~decode, float("-inf"))
+    order = r.argsort(dim=-1, descending=True)  # [n_seg, segment]
+    pick = torch.arange(segment, device=dev)[None, :] < take[:, None]  # the top `take` of each segment
+    chosen[slot.gather(-1, order)[pick]] = True
+    return chosen
+
+
+def seg_keep(rank: torch.Tensor, seg_stat: torch.Tensor, view: CacheView, segment: int,
+             caps: tuple[int, int, int], fill: bool = False, value: torch.Tensor | None = None,
+             swap: int = 0) -> torch.Tensor:
+    """EpiKV-Seg's keep set. rank, seg_stat, value: [batch, n]. Returns sorted indices [batch, m], m <= budget.
+
+    Per row: [kept padding][protected prefix][tier pass (+ fill, + value swap)][recency window]. Left padding is
+    kept as far as the budget allows (so the decode slots stay aligned across rows) and counts against it like the
+    prompt. Rows of a batch must keep the same count: a row whose keep set is shorter than the longest row's is
+    topped up with its best-ranked other decode slots outside the recency window (then its remaining padding);
+    batch 1 keeps exactly the rule's set."""
+    b, n = rank.shape
+    dev = rank.device
+    idx = torch.arange(n, device=dev)
+    rank = torch.nan_to_num(rank.float(), nan=-3e38)
+    keeps, extra = [], []
+    for r in range(b):
+        n_pad, n_prot = int(view.n_pad[r]), int(view.n_protect[r])
+        end = max(n - view.recent, n_pad + n_prot)  # the recency window: the newest `recent` slots
+        kp = max(0, min(n_pad, view.budget - n_prot - (n - end)))  # padding kept, the newest of it
+        prot_end = n_pad + n_prot
+        budget = view.budget - view.recent - n_prot - kp
+        chosen = tier_pass(rank[r], seg_stat[r], n_pad, prot_end, end, budget, segment, caps)
+        evictable = (idx >= prot_end) & (idx < end)
+        if fill:
+            left = budget - int(chosen.sum())
+            if left > 0:
+                cand = rank[r].masked_fill(~evictable | chosen, float("-inf"))
+                top = cand.topk(min(left, int((evictable & ~chosen).sum())))
+                chosen[top.indices] = True
+        if swap and value is not None:
+            out_pool = evictable & ~chosen
+            m = min(swap, int(out_pool.sum()), int(chosen.sum()))
+            if m > 0:
+                gain = value[r].float().masked_fill(~out_pool, float("-inf")).topk(m).indices  # highest value out
+                lose = rank[r].masked_fill(~chosen, float("inf")).topk(m, largest=False).indices  # lowest ranked in
+                chosen[lose] = False
+                chosen[gain] = True
+        keep = chosen | ((idx >= n_pad - kp) & (idx < prot_end)) | (idx >= end)
+        keeps.append(keep)
+        # what may top the row up: other evictable slots by rank, then padding (newest first)
+        pri = torch.where(evictable, rank[r], torch.where(idx < n_pad, -3.5e38 + idx.float(), float("-inf")))
+        extra.append(pri.masked_fill(keep, float("-inf")))
+    m = max(int(k.sum()) for k in keeps)
+    out = []
+    for keep, pri in zip(keeps, extra):
+        short = m - int(keep.sum())
+        if short > 0:
+            keep = keep.clone()
+            keep[pri.topk(short).indices] = True
+        out.append(idx[keep])
+    return torch.stack(out)
+
+
+@dataclass
+class EpiKVSeg(EpiKVFlat):
+    """EpiKV-Seg: key-variance segments in three tiers with 64/32/8 decode slots, ranked inside by the EPIKV score.
+
+    The authors' `kv_seg_hs` (github stevenkolawole/epiphany-kv-cache, commit 121e62c; METHOD.md section 4). At each
+    eviction the cache before the recency window is cut into `segment` = 128-slot blocks from the row's first real
+    slot (prompt included; a partial last block is a segment). Segment statistic: mean over its slots of the key
+    variance over head_dim (float32, unbiased), averaged over KV heads then layers. Tiers by tertile of the segment
+    statistics (t_low = s[n//3], t_high = s[2n//3], ties up, a lone segment R): R keeps up to 64 decode slots, E 32,
+    T 8 (`caps`). Segments are served oldest first from a budget of K - recent - prompt, each keeping its top slots
+    by the HS score (z_A - z_B, frozen at arrival); when the caps bind first the cache ends below K. Options:
+    `fill` (unused slots go to the best-ranked other decode slots: exactly K), `swap` = N with `swap_stat`
+    range|var|norm (the N highest-value evicted decode slots replace the lowest-ranked kept ones; the authors ran it
+    at tau = 1). Schedule (`rule`, period tau = 128): "pruned" (shipped) evicts when the cache is over K and its
+    decode slots are a multiple of tau; "steps" when over K and tau slots were stored since the last eviction;
+    "every" when over K + tau - 1. Every rule also evicts above K + tau - 1 (a multi-token chunk can step over a
+    multiple of tau). Padded batches: padding counts like prompt; rows are topped up to the longest row's count.
+    """
+
+    tau: int = 128
+    rule: str = "pruned"
+    segment: int = 128
+    caps: tuple[int, int, int] = (64, 32, 8)  # decode slots kept per R, E, T segment
+    fill: bool = False
+    swap: int = 0  # value swap N (0: off)
+    swap_stat: str = "range"
+
+    name = "epikv-seg"
+    paper = "arXiv:2606.26472 (authors' later code)"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rule not in RULES:
+            raise EpiKVError(f"{self.name}: rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if self.segment < 1 or len(self.caps) != 3:
+            raise EpiKVError(f"{self.name}: segment must be positive and caps three numbers (R, E, T)")
+        if self.reserve:
+            raise EpiKVError(f"{self.name}: the value reserve belongs to the flat policies; Seg has `swap`")
+        check_stat(self.name, "swap_stat", self.swap_stat)
+
+    def observes(self, n_layers):
+        return Observes(hidden_layers=super().observes(n_layers).hidden_layers, keys_values=True)
+
+    def should_evict(self, length, budget, steps, decode_slots):
+        if length > budget + self.tau - 1:  # every rule: never more than K + tau - 1 between two steps
+            return True
+        if length <= budget or self.rule == "every":
+            return False
+        if self.rule == "pruned":
+            return decode_slots % self.tau == 0
+        return steps >= self.tau
+
+    def ranking(self, state, view: CacheView) -> torch.Tensor:
+        """The score that ranks decode slots inside segments, for the fill and the swap: [batch, n]."""
+        return view.token_data["score"]
+
+    def scores(self, state, view):
+        return self.ranking(state, view)
+
+    def keep(self, state, view):
+        dev = view.device
+        rank = self.ranking(state, view).to(dev)
+        seg_stat = slot_statistic(view.keys, "var", dev)
+        value = slot_statistic(view.values, self.swap_stat, dev) if self.swap else None
+        return seg_keep(rank, seg_stat, view, self.segment, tuple(self.caps), self.fill, value, self.swap)

@@ -1,0 +1,92 @@
+"""KV-key / KV-val variance (the EPIKV authors' later key/value signals), and the per-slot statistics of cached keys
+and values that EpiKV-Seg, its value swap and the hidden-state policies' value reserve share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import EpiKVError
+from ..signals import RollingStats
+from .base import CacheView, Observes, Policy, StepObservation
+
+SLOT_STATS = ("range", "var", "norm")
+
+
+def check_stat(policy: str, setting: str, stat: str) -> None:
+    if stat not in SLOT_STATS:
+        raise EpiKVError(f"{policy}: {setting} must be one of {', '.join(SLOT_STATS)}, got {stat!r}")
+
+
+def slot_statistic(tensors: list[torch.Tensor], stat: str, device: torch.device) -> torch.Tensor:
+    """Per slot: a statistic of the cached vector over head_dim, in float32, averaged over KV heads, then over layers.
+
+    tensors: per layer [batch, kv_heads, n, head_dim] (keys or values). stat: "var" (unbiased variance), "range"
+    (max - min) or "norm" (L2). Returns [batch, n] on `device`."""
+    total = None
+    for x in tensors:  # one layer at a time: one float32 copy of a layer, not of the whole cache
+        x = x.to(device, dtype=torch.float32)
+        if stat == "var":
+            s = x.var(dim=-1)  # unbiased
+        elif stat == "range":
+            s = x.amax(dim=-1) - x.amin(dim=-1)
+        elif stat == "norm":
+            s = x.norm(dim=-1)
+        else:
+            raise EpiKVError(f"unknown slot statistic {stat!r}; known: {', '.join(SLOT_STATS)}")
+        s = s.mean(dim=1)  # [batch, n]: mean over KV heads
+        total = s if total is None else total + s
+    return total / len(tensors)
+
+
+@dataclass
+class KVKeyVariance(Policy):
+    """KV-key variance: score(t) = rolling mean over the trailing `window` = 64 tokens of the per-token key variance.
+
+    From the EPIKV authors' later code (github stevenkolawole/epiphany-kv-cache, commit 121e62c, their `kv_key`;
+    METHOD.md section 4). Per token: the unbiased variance over head_dim of its cached key (float32), averaged over KV
+    heads, then layers, computed when the token enters the cache; the causal rolling mean over the trailing window of
+    those values (newest included, padding excluded) is its score, frozen. Keeps prompt + recent + top-scored rest.
+    Reads the new tokens' keys at arrival: no hidden states, no attention.
+    """
+
+    window: int = 64
+
+    name = "kv-key"
+    paper = "arXiv:2606.26472 (authors' later code)"
+    source: ClassVar[str] = "keys"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window < 1:
+            raise EpiKVError(f"{self.name}: window must be at least 1, got {self.window}")
+
+    def observes(self, n_layers):
+        return Observes(keys_values=True)
+
+    def init_state(self, batch, n_layers, device):
+        return {"stats": RollingStats(self.window)}
+
+    def on_tokens(self, state, obs: StepObservation) -> dict[str, torch.Tensor]:
+        t = obs.valid.shape[1]
+        stored = obs.keys if self.source == "keys" else obs.values
+        var = slot_statistic([x[:, :, -t:] for x in stored], "var", obs.valid.device)  # [batch, T]: the new tokens
+        mean, _, _ = state["stats"].update(var[:, None], obs.valid)  # [batch, 1, T]
+        return {"score": torch.where(obs.valid, mean[:, 0], torch.zeros_like(var))}
+
+    def scores(self, state, view: CacheView) -> torch.Tensor:
+        return view.token_data["score"]
+
+
+@dataclass
+class KVValueVariance(KVKeyVariance):
+    """KV-val variance: as `kv-key` on the cached values (the authors' `kv_val`, commit 121e62c; METHOD.md section 4).
+
+    score(t) = rolling mean over the trailing 64 tokens of the per-token value variance over head_dim (unbiased,
+    float32), averaged over KV heads then layers, computed at arrival and frozen.
+    """
+
+    name = "kv-val"
+    source = "values"

@@ -1,0 +1,381 @@
+"""The authors' later methods (METHOD.md section 4): EpiKV-Seg, EpiKV-Seg-Q, the value reserve, KV-key / KV-val,
+Lag-KV-key. Constructed inputs for each rule, the tiny model for what needs one."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from epikv.cache import cache_kwarg
+from epikv.engine import Decoder, attention_for
+from epikv.errors import EpiKVError
+from epikv.policies import CacheView, get_policy, select_keep
+from epikv.policies.epikv_seg import seg_keep, segment_tiers, tier_pass
+from epikv.policies.epikv_seg_q import query_relevance, zscore_over
+from epikv.policies.kv_var import slot_statistic
+from epikv.signals import lag_normalised_spread
+
+NEW = ("epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv-key")
+
+
+def _view(n, budget, recent, n_protect=0, n_pad=0, batch=1, **kw):
+    pad = n_pad if isinstance(n_pad, torch.Tensor) else torch.full((batch,), n_pad)
+    prot = n_protect if isinstance(n_protect, torch.Tensor) else torch.full((batch,), n_protect)
+    return CacheView(length=n, budget=budget, token_data=kw.pop("token_data", {}), n_pad=pad, n_protect=prot,
+                     recent=recent, keys=kw.pop("keys", []), values=kw.pop("values", []), device=torch.device("cpu"),
+                     **kw)
+
+
+# -- tiers -------------------------------------------------------------------------------------------------------------
+
+def test_tiers_by_tertile_ties_up_lone_segment_r():
+    R, E, T = 0, 1, 2
+    # n = 6: t_low = s[2] = 3, t_high = s[4] = 5
+    assert segment_tiers(torch.tensor([6.0, 1, 4, 2, 5, 3])).tolist() == [R, T, E, T, R, E]
+    # n = 4: t_low = s[1] = 2 = t_high = s[2]: the tie goes up, to R
+    assert segment_tiers(torch.tensor([1.0, 2, 2, 3])).tolist() == [T, R, R, R]
+    assert segment_tiers(torch.tensor([7.0])).tolist() == [R]  # a lone segment
+    assert segment_tiers(torch.tensor([1.0, 1, 1])).tolist() == [R, R, R]
+
+
+# a cache of 30 slots: prompt 0..3, segments of 8 from slot 0 (the first holds prompt and decode slots), a partial
+# last segment 24..26, recency window 27..29. Segment statistics 2, 4, 1, 3 -> tiers E, R, T, R.
+PROMPT, SEG, RECENT, N = 4, 8, 3, 30
+CAPS = (4, 2, 1)  # R, E, T
+
+
+def _seg_inputs():
+    stat = torch.zeros(1, N)
+    for s, v in enumerate([2.0, 4.0, 1.0, 3.0]):
+        stat[0, s * SEG : (s + 1) * SEG] = v
+    stat[0, :PROMPT] = 2.0  # prompt slots enter their segment's mean
+    g = torch.Generator().manual_seed(0)
+    rank = torch.randperm(N, generator=g).float()[None]
+    return rank, stat
+
+
+def _top(rank, lo, hi, k):
+    ids = torch.arange(lo, hi)
+    return set(ids[rank[0, lo:hi].topk(k).indices].tolist())
+
+
+def test_tier_caps_bind_and_cache_ends_below_budget():
+    rank, stat = _seg_inputs()
+    budget = PROMPT + RECENT + 20  # the tier pass could use 20 decode slots; the caps allow 2 + 4 + 1 + 3 = 10
+    view = _view(N, budget, RECENT, n_protect=PROMPT)
+    keep = seg_keep(rank, stat, view, SEG, CAPS)[0].tolist()
+    expect = set(range(PROMPT)) | set(range(N - RECENT, N))
+    expect |= _top(rank, 4, 8, 2) | _top(rank, 8, 16, 4) | _top(rank, 16, 24, 1) | _top(rank, 24, 27, 3)
+    assert set(keep) == expect and keep == sorted(keep)
+    assert len(keep) == PROMPT + RECENT + 10 < budget
+
+
+def test_tier_budget_is_spent_oldest_first():
+    rank, stat = _seg_inputs()
+    budget = PROMPT + RECENT + 5  # E segment 0 takes 2, R segment 1 the remaining 3 of its 4, newer ones nothing
+    view = _view(N, budget, RECENT, n_protect=PROMPT)
+    keep = set(seg_keep(rank, stat, view, SEG, CAPS)[0].tolist())
+    assert keep == set(range(PROMPT)) | _top(rank, 4, 8, 2) | _top(rank, 8, 16, 3) | set(range(N - RECENT, N))
+    chosen = tier_pass(rank[0], stat[0], 0, PROMPT, N - RECENT, 5, SEG, CAPS)
+    assert int(chosen.sum()) == 5 and not chosen[16:].any()
+
+
+def test_fill_makes_the_cache_exactly_budget_with_best_ranked_rest():
+    rank, stat = _seg_inputs()
+    budget = PROMPT + RECENT + 14  # tier pass 10, fill 4
+    view = _view(N, budget, RECENT, n_protect=PROMPT)
+    keep = set(seg_keep(rank, stat, view, SEG, CAPS, fill=True)[0].tolist())
+    assert len(keep) == budget
+    tiers = set(seg_keep(rank, stat, view, SEG, CAPS)[0].tolist())
+    rest = [i for i in range(PROMPT, N - RECENT) if i not in tiers]
+    best = sorted(rest, key=lambda i: -rank[0, i].item())[:4]
+    assert keep == tiers | set(best)
+
+
+def test_value_swap_replaces_lowest_ranked_kept_by_highest_value_evicted():
+    rank, stat = _seg_inputs()
+    budget = PROMPT + RECENT + 20
+    view = _view(N, budget, RECENT, n_protect=PROMPT)
+    value = torch.rand(1, N, generator=torch.Generator().manual_seed(1))
+    base = set(seg_keep(rank, stat, view, SEG, CAPS)[0].tolist())
+    keep = set(seg_keep(rank, stat, view, SEG, CAPS, value=value, swap=2)[0].tolist())
+    assert len(keep) == len(base)  # the count is unchanged
+    kept_decode = [i for i in base if PROMPT <= i < N - RECENT]
+    out = [i for i in range(PROMPT, N - RECENT) if i not in base]
+    lose = sorted(kept_decode, key=lambda i: rank[0, i].item())[:2]
+    gain = sorted(out, key=lambda i: -value[0, i].item())[:2]
+    assert keep == (base - set(lose)) | set(gain)
+
+
+def test_batch_rows_keep_equal_counts_topped_up_by_rank():
+    rank, stat = _seg_inputs()
+    stat2 = stat.clone()
+    stat2[0, 16:24] = 5.0  # row 1: tiers T, R, R, E -> 1 + 4 + 4 + 2 = 11 decode slots against row 0's 10
+    budget = PROMPT + RECENT + 20
+    view = _view(N, budget, RECENT, n_protect=PROMPT, batch=2)
+    ranks = torch.cat([rank, rank])
+    keep = seg_keep(ranks, torch.cat([stat, stat2]), view, SEG, CAPS)
+    alone = [set(seg_keep(rank, s, _view(N, budget, RECENT, n_protect=PROMPT), SEG, CAPS)[0].tolist())
+             for s in (stat, stat2)]
+    assert keep.shape == (2, len(alone[1])) and len(alone[0]) == len(alone[1]) - 1
+    assert set(keep[1].tolist()) == alone[1]  # the longer row: exactly its set
+    rest = [i for i in range(PROMPT, N - RECENT) if i not in alone[0]]
+    assert set(keep[0].tolist()) == alone[0] | set(sorted(rest, key=lambda i: -rank[0, i].item())[:1])
+
+
+def test_segment_statistic_is_unbiased_key_variance_over_heads_then_layers():
+    torch.manual_seed(0)
+    keys = [torch.randn(2, 3, 5, 4) * (l + 1) for l in range(2)]  # [batch, kv_heads, n, dim]
+    got = slot_statistic(keys, "var", torch.device("cpu"))
+    manual = sum(k.var(-1, unbiased=True).mean(1) for k in keys) / 2
+    assert torch.allclose(got, manual)
+    assert torch.allclose(slot_statistic(keys, "range", torch.device("cpu")),
+                          sum((k.amax(-1) - k.amin(-1)).mean(1) for k in keys) / 2)
+    assert torch.allclose(slot_statistic(keys, "norm", torch.device("cpu")), sum(k.norm(dim=-1).mean(1) for k in keys) / 2)
+
+
+# -- schedule ----------------------------------------------------------------------------------------------------------
+
+def test_schedule_rules():
+    pruned = get_policy("epikv-seg")  # tau 128
+    K = 1000
+    assert pruned.should_evict(1100, K, 50, 256)  # over K, decode slots a multiple of 128
+    assert not pruned.should_evict(1100, K, 500, 255)
+    assert not pruned.should_evict(K, K, 500, 256)  # not over K
+    assert pruned.should_evict(K + 128, K, 1, 255)  # never beyond K + tau - 1
+    steps = get_policy("epikv-seg-q")  # "steps", tau 128
+    assert steps.should_evict(K + 1, K, 128, 301) and not steps.should_evict(K + 1, K, 127, 256)
+    assert not steps.should_evict(K, K, 400, 256)
+    every = get_policy("epikv-seg", rule="every", tau=4)
+    assert every.should_evict(K + 4, K, 0, 1) and not every.should_evict(K + 3, K, 9, 256)
+    with pytest.raises(EpiKVError, match="rule"):
+        get_policy("epikv-seg", rule="sometimes")
+
+
+def _decode(lm, policy, budget, n_new, seed=0, **settings):
+    """Prefill a fixed prompt and feed n_new random tokens one at a time; returns the decoder and, per eviction,
+    (stored length before, decode slots before, steps since the previous eviction)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (1, 6 + n_new), generator=g)
+    dec = Decoder(lm.model, policy, budget, **settings)
+    events = []
+    orig = dec.cache.evict
+
+    def spy():
+        c = dec.cache
+        n = c.layers[c._ref].length
+        events.append((n, n - c._prefix, n - c._len_after_evict))
+        return orig()
+
+    dec.cache.evict = spy
+    with torch.inference_mode():
+        dec.prefill(ids[:, :6], [0])
+        for i in range(6, ids.shape[1]):
+            dec.step(ids[:, i : i + 1])
+    return dec, events
+
+
+def test_pruned_rule_evicts_at_multiples_of_tau_over_budget(tiny):
+    dec, events = _decode(tiny, "epikv-seg", 40, 90, tau=16, segment=8, caps=(4, 2, 1))
+    assert len(events) >= 2
+    for n, decode, _ in events:
+        assert n > 40 and decode % 16 == 0
+    assert dec.cache.max_tokens <= 40 + 15
+
+
+def test_steps_rule_evicts_after_tau_steps_over_budget(tiny):
+    dec, events = _decode(tiny, "epikv-seg-q", 40, 90, tau=16, segment=8)
+    assert len(events) >= 3 and events[0][2] >= 16  # the first: the decode steps so far
+    for n, _, steps in events[1:]:
+        assert n > 40 and steps == 16  # fill: back to exactly K, then 16 steps
+    assert dec.cache.layers[0].length <= 40 + 15
+
+
+def test_seg_compacts_to_fewer_than_budget(tiny):
+    """Caps bind: the cache really ends below K, every layer and the token data follow the keep set."""
+    ids = torch.randint(0, 1000, (1, 60), generator=torch.Generator().manual_seed(3))
+    dec = Decoder(tiny.model, "epikv-seg", 40, tau=1, segment=8, caps=(2, 1, 1))
+    seen = []
+    orig = dec.cache.evict
+
+    def spy():
+        before = [l.keys.clone() for l in dec.cache.layers]
+        pos = dec.cache.token_data["pos"].clone()
+        keep = orig()
+        seen.append((before, pos, keep))
+        return keep
+
+    dec.cache.evict = spy
+    with torch.inference_mode():
+        dec.prefill(ids[:, :6], [0])
+        for i in range(6, 60):
+            dec.step(ids[:, i : i + 1])
+    before, pos, keep = seen[-1]
+    assert keep.shape[-1] < 40 and dec.cache.layers[1].length == keep.shape[-1]
+    for l, layer in enumerate(dec.cache.layers):
+        assert torch.equal(layer.keys[0], before[l][0][:, keep[0]])
+    assert torch.equal(dec.cache.token_data["pos"], pos[:, keep[0]])
+    assert dec.cache.token_data["score"].shape[-1] == keep.shape[-1]
+
+
+# -- value reserve -----------------------------------------------------------------------------------------------------
+
+def test_value_reserve_keeps_top_values_and_displaces_lowest_scored():
+    n, budget, prot, recent = 14, 9, 2, 2
+    g = torch.Generator().manual_seed(4)
+    score = torch.randn(1, n, generator=g)
+    values = [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)]
+    low = [prot + int(i) for i in score[0, prot : n - recent].argsort()[:2]]
+    for v in values:  # the two lowest-scored evictable slots get the largest value spread
+        v[0, :, low] *= 10
+    view = _view(n, budget, recent, n_protect=prot, token_data={"score": score}, values=values)
+    plain = set(select_keep(get_policy("epikv").scores(None, view), view)[0].tolist())
+    pol = get_policy("epikv", reserve=2)
+    assert pol.observes(32).keys_values and not get_policy("epikv").observes(32).keys_values
+    keep = select_keep(pol.scores(None, view), view)[0].tolist()
+    assert len(keep) == budget  # still exactly K
+    val = slot_statistic(values, "range", torch.device("cpu"))[0]
+    mid = list(range(prot, n - recent))
+    reserved = set(sorted(mid, key=lambda i: -val[i].item())[:2])
+    others = [i for i in mid if i not in reserved]
+    by_score = sorted(others, key=lambda i: -score[0, i].item())[: budget - prot - recent - 2]
+    assert set(keep) == set(range(prot)) | reserved | set(by_score) | set(range(n - recent, n))
+    assert reserved == set(low) and not reserved & plain  # the reserve changed the keep set here
+    with pytest.raises(EpiKVError, match="reserve_stat"):
+        get_policy("epikv", reserve_stat="max")
+    with pytest.raises(EpiKVError, match="swap"):
+        get_policy("epikv-seg", reserve=4)
+
+
+# -- Seg-Q -------------------------------------------------------------------------------------------------------------
+
+def test_zscore_over_decode_slots_uses_sample_std():
+    x = torch.tensor([[9.0, 1.0, 2.0, float("nan"), 3.0]])
+    mask = torch.tensor([[False, True, True, True, True]])
+    z = zscore_over(x, mask)
+    assert torch.isnan(z[0, 0]) and torch.isnan(z[0, 3])
+    assert torch.allclose(z[0, [1, 2, 4]], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5)  # std of 1, 2, 3 (n - 1) = 1
+
+
+def test_seg_q_relevance_matches_independent_computation(tiny):
+    """The ranking at the first eviction equals q.K recomputed here from a plain forward of the same tokens."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    model = tiny.model
+    budget, tau, w = 24, 8, 8
+    captured = {}
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(5))
+    dec = Decoder(model, "epikv-seg-q", budget, tau=tau, segment=8)
+    pol = dec.policy
+    orig = pol.ranking
+
+    def spy(state, view):
+        r = orig(state, view)
+        captured.setdefault("rank", (r.clone(), view.length, view.keys[0].shape[2]))
+        return r
+
+    object.__setattr__(pol, "ranking", spy)
+    with torch.inference_mode():
+        dec.prefill(ids[:, :6], [0])
+        for i in range(6, ids.shape[1]):
+            dec.step(ids[:, i : i + 1])
+            if "rank" in captured:
+                break
+    rank, n, _ = captured["rank"]  # no eviction before: the cache is the full prefix of n tokens
+    a = 1 + 1  # A = round(10 * 4 / 32) = 1, queries at block A + 1
+    assert pol.query_layer(4) == a
+    with torch.inference_mode():
+        cache = DynamicCache()
+        out = model(ids[:, :n], output_hidden_states=True, use_cache=True, **{cache_kwarg(model): cache})
+        h = out.hidden_states[a][:, -w:]  # block A's output = block A+1's input, last 8 tokens
+        layer = model.model.layers[a]
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(1, w, -1, attn.head_dim).transpose(1, 2)  # [1, heads, w, d]
+        pos = torch.arange(n - w, n)[None]
+        cos, sin = model.model.rotary_emb(x, pos)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k = cache.layers[a].keys if hasattr(cache, "layers") else cache.key_cache[a]
+        k = repeat_kv(k, q.shape[1] // k.shape[1])
+        logits = q @ k.transpose(-1, -2) / attn.head_dim**0.5  # [1, heads, w, n]
+        causal = torch.arange(n)[None, :] > (n - w + torch.arange(w))[:, None]
+        rel = logits.masked_fill(causal, float("-inf")).softmax(-1).mean(1).mean(1)[0]  # [n]
+        dec_slots = rel[6:]
+        z = (dec_slots - dec_slots.mean()) / (dec_slots.std(unbiased=True) + 1e-6)
+    torch.testing.assert_close(rank[0, 6:], z, atol=1e-4, rtol=1e-4)
+    assert torch.isnan(rank[0, :6]).all()  # the prompt is not ranked
+
+
+def test_query_relevance_masks_future_slots_and_padding():
+    q = torch.zeros(1, 2, 2, 4)  # uniform logits: softmax = 1 / (visible slots)
+    k = torch.randn(1, 1, 5, 4)
+    pos = torch.tensor([[0, 0, 1, 2, 3]])  # slot 0 is padding
+    rel = query_relevance(q, k, torch.ones(1, 2, dtype=torch.bool), pos, torch.tensor([1]))
+    # query 0 at position 2 sees slots 1..3 (1/3 each), query 1 at position 3 sees 1..4 (1/4 each)
+    torch.testing.assert_close(rel[0], torch.tensor([0.0, 7 / 24, 7 / 24, 7 / 24, 1 / 8]))
+
+
+def test_seg_q_is_not_attention_free_and_keeps_flash(tiny):
+    from epikv.commands.policies import run
+
+    import argparse
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert run(argparse.Namespace(json=True)) == 0
+    rows = {r["name"]: r for r in json.loads(buf.getvalue())}
+    for name in NEW:
+        assert rows[name]["attention_free"] == (name != "epikv-seg-q"), name
+    assert "query states at blocks 11" in rows["epikv-seg-q"]["observes"]
+    model = tiny.model
+    old = model.config._attn_implementation
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with attention_for(model, get_policy("epikv-seg-q")):
+            assert model.config._attn_implementation == "flash_attention_2"
+    finally:
+        model.config._attn_implementation = old
+    obs = get_policy("epikv-seg-q").observes(4)
+    assert obs.query_layers == (2,) and not obs.attention_layers and not obs.hidden_layers
+    assert get_policy("epikv-seg-q", mode="add").observes(4).hidden_layers == (1, 3)
+
+
+# -- KV-key / KV-val / Lag-KV-key ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["kv-key", "kv-val"])
+def test_kv_variance_rolling_mean_at_arrival(tiny, name):
+    from transformers import DynamicCache
+
+    window = 4
+    ids = torch.randint(0, 1000, (1, 14), generator=torch.Generator().manual_seed(6))
+    dec = Decoder(tiny.model, name, 1000, window=window)
+    with torch.inference_mode():
+        dec.prefill(ids[:, :6], [0])  # a chunk, then single tokens: the same as token by token
+        for i in range(6, 14):
+            dec.step(ids[:, i : i + 1])
+        cache = DynamicCache()
+        tiny.model(ids, use_cache=True, **{cache_kwarg(tiny.model): cache})
+    side = "keys" if name == "kv-key" else "values"
+    per_layer = [getattr(l, side) for l in cache.layers]
+    var = sum(x.float().var(-1, unbiased=True).mean(1) for x in per_layer)[0] / len(per_layer)  # [n]
+    roll = torch.stack([var[max(0, t - window + 1) : t + 1].mean() for t in range(14)])
+    torch.testing.assert_close(dec.cache.token_data["score"][0], roll, atol=1e-5, rtol=1e-5)
+
+
+def test_lag_kv_key_scores_keys_only():
+    torch.manual_seed(7)
+    keys = [torch.randn(1, 2, 20, 4) for _ in range(2)]
+    values = [torch.randn(1, 2, 20, 4) for _ in range(2)]
+    view = _view(20, 10, 2, keys=keys, values=values)
+    got = get_policy("lag-kv-key", lag=8).scores(None, view)
+    torch.testing.assert_close(got, lag_normalised_spread((keys[0] + keys[1]) / 2, 8))
+    both = get_policy("lag-kv", lag=8).scores(None, view)
+    torch.testing.assert_close(both - got, lag_normalised_spread((values[0] + values[1]) / 2, 8))
