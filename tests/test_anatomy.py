@@ -150,7 +150,39 @@ def test_random_filler_is_seeded(tiny):
     a = L.filler_ids(tiny.tokenizer, "random", 8, 1000, seed=3)
     assert torch.equal(a, L.filler_ids(tiny.tokenizer, "random", 8, 1000, seed=3))
     assert not torch.equal(a, L.filler_ids(tiny.tokenizer, "random", 8, 1000, seed=4))
-    assert int(L.filler_ids(tiny.tokenizer, "pad", 2, 1000, 0)[0]) == tiny.tokenizer.pad_token_id
+
+
+def _tokenizer_with_pad(tok, pad: str):
+    import copy
+
+    tok = copy.deepcopy(tok)
+    tok.pad_token = pad
+    return tok
+
+
+@pytest.mark.parametrize("model", ["smollm2", "random:tiny"])
+def test_pad_filler_is_refused_when_pad_is_eos(model):
+    tok = load_model(model).tokenizer
+    # SmolLM2's tokenizer (random:tiny uses it too) pads with <|im_end|>, its EOS: pad would be eos again
+    assert tok.pad_token_id == tok.eos_token_id == 2
+    with pytest.raises(EpiKVError, match="pad token is its EOS token"):
+        L.filler_ids(tok, "pad", 4, 1000, 0)
+    assert L.filler_token(tok, "eos") == 2 and L.filler_token(tok, "random") is None
+    distinct = _tokenizer_with_pad(tok, "<|endoftext|>")  # a model whose pad token is not EOS
+    assert L.filler_token(distinct, "pad") == 0 != L.filler_token(distinct, "eos")
+    assert L.filler_ids(distinct, "pad", 3, 1000, 0).tolist() == [0, 0, 0]
+
+
+def test_label_records_name_the_filler_token(tiny):
+    ids = list(range(300, 340))
+    sp = L.Spans(5, 30, 36)
+    distinct = _tokenizer_with_pad(tiny.tokenizer, "<|endoftext|>")
+    res = L.occlusion_labels(tiny.model, distinct, ids, sp, kind="nll", window=8, stride=8, filler="pad")
+    assert res["filler_id"] == 0 and res["filler_token"] == "<|endoftext|>"
+    res = L.occlusion_labels(tiny.model, tiny.tokenizer, ids, sp, kind="nll", window=8, stride=8, filler="eos")
+    assert res["filler_id"] == 2 and res["filler_token"] == "<|im_end|>"
+    with pytest.raises(EpiKVError, match="pad token is its EOS"):
+        L.occlusion_labels(tiny.model, tiny.tokenizer, ids, sp, kind="nll", window=8, stride=8, filler="pad")
 
 
 # -- profile ---------------------------------------------------------------------------------------------------------
@@ -269,6 +301,7 @@ def test_cli_label_profile_bands_end_to_end(tmp_path, capsys):
     assert [r["id"] for r in recs] == ["t0", "t1", "t2"]
     r = recs[0]
     assert r["label"] == "nll" and r["filler"] == "eos" and r["settings"]["window"] == 8
+    assert r["filler_id"] == 2 and r["filler_token"] == "<|im_end|>"
     assert len(r["token_ids"]) == len(r["offsets"]) == len(r["labels"]) == len(r["tokens"])
     r0, r1 = r["reasoning"]
     assert r1 - r0 == 40 and r["truncated_from"] > 40 and r["answer"] == [r1, len(r["token_ids"])]
@@ -285,6 +318,19 @@ def test_cli_label_profile_bands_end_to_end(tmp_path, capsys):
         assert set(b) >= {"layers", "band_a", "band_b"} and not set(b["band_a"]) & set(b["band_b"])
     else:
         assert "two-band" in capsys.readouterr().err
+
+
+def test_cli_pad_filler_refused_in_one_line(tmp_path, capsys):
+    row = {"id": "t0", "prompt": "Problem: add.\nSolution: \n<think>\n",
+           "trace": "<think>\n" + " ".join(f"step {j}" for j in range(20)) + "\n</think>\n\nSo \\boxed{1}."}
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "labels"
+    assert main(["anatomy", "label", "--traces", str(traces), "--model", "random:tiny", "--filler", "pad",
+                 "--window", "8", "--stride", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--filler pad" in err and "use --filler eos or random" in err
+    assert "Traceback" not in err and not out.exists()  # refused before anything is written
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -44,7 +44,7 @@ def test_generate_json_on_embedded_model(capsys):
 
 
 def test_generate_streams_text_and_summary(capsys):
-    code, out, err = run_cli(capsys, "generate", "--model", "random:tiny", "--prompt", "Hello world",
+    code, out, err = run_cli(capsys, "generate", "--model", "random:tiny", "--prompt", "Hello world", "--raw",
                              "--max-new-tokens", "12", "--budget", "8", "--tau", "2")
     assert code == 0 and out.strip()
     assert "[epikv K=8 tau=2]" in err and "evictions" in err
@@ -168,3 +168,49 @@ def test_console_script_exit_code():
                         "--model", "random:tiny"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().startswith("epikv generate: error: unknown policy")
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("tau", [1, 4])
+def test_trace_colours_come_from_the_evicting_pass(tiny, tau):
+    """The scores trace colours with are the ones the evicting pass computed on arrival (evicted tokens included),
+    not those of a pass without eviction, which differ once tokens are gone (later hidden states change)."""
+    import torch
+
+    from epikv.engine import Decoder
+    from epikv.trace import trace_scores
+
+    p_ids, c_ids = list(range(400, 412)), list(range(1000, 1090))
+    budget = 24
+    tr = trace_scores(tiny.model, tiny.tokenizer, p_ids, c_ids, policy="epikv", budget=budget, tau=tau)
+    ids = torch.tensor([p_ids + c_ids])
+    n, p = ids.shape[1], len(p_ids)
+
+    def arrival_scores(budget):
+        # each token's stored score read right after the step that brought it in (it is in the protected recent
+        # window then: min(128, K / 4) >= tau), whatever is evicted later
+        got = {}
+        with torch.inference_mode():
+            dec = Decoder(tiny.model, "epikv", budget=budget, tau=tau)
+            dec.prefill(ids[:, :p], [0])
+            got.update(zip(dec.cache.token_data["pos"][0].tolist(), dec.cache.token_data["score"][0].tolist()))
+            for s in range(p, n, tau):
+                dec.step(ids[:, s : s + tau])
+                td = dec.cache.token_data
+                got.update((q, v) for q, v in zip(td["pos"][0].tolist(), td["score"][0].tolist()) if q >= s)
+            kept = set(dec.cache.token_data["pos"][0].tolist())
+        return [got[i] for i in range(n)], dec.cache.evictions, kept
+
+    evicting, evictions, kept = arrival_scores(budget)
+    never, _, _ = arrival_scores(n + 1)
+    assert evictions > 0 and n - budget - tau < sum(tr.evicted) <= n - budget
+    assert tr.evicted == [i not in kept for i in range(n)]
+    assert tr.scores == pytest.approx(evicting, abs=1e-6)
+    # the case matters: without eviction the later tokens get other scores
+    assert max(abs(a - b) for a, b in zip(evicting, never)) > 1e-3
+    assert tr.scores != pytest.approx(never, abs=1e-6)
+
+
+def test_trace_refuses_a_policy_without_per_token_scores(capsys):
+    line = run_bad(capsys, "trace", "--model", "random:tiny", "--prompt", "Q", "--completion", " a b c",
+                   "--policy", "h2o")
+    assert "no per-token score to trace" in line

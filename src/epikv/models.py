@@ -124,6 +124,27 @@ def _random_model(spec: str, dtype: torch.dtype, device: str | None):
     return model, tok
 
 
+def check_device(device: str | None) -> None:
+    """A one-line error for a device this machine does not have (e.g. cuda on a CPU-only torch build), instead of
+    torch's assertion deep inside the model load."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EpiKVError(f"unknown device {device!r}; expected cpu, cuda, cuda:N, mps ...") from None
+    if dev.type == "cpu" or dev.type == "meta":
+        return
+    backend = getattr(torch, dev.type, None)
+    available = bool(backend is not None and hasattr(backend, "is_available") and backend.is_available())
+    if not available:
+        why = " (this torch build has no CUDA)" if dev.type == "cuda" and torch.version.cuda is None else ""
+        raise EpiKVError(f"device {device!r} is not available on this machine{why}; use --device cpu")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if dev.index is not None and dev.index >= count:
+        raise EpiKVError(f"device {device!r} does not exist: this machine has {count} {dev.type} device(s)")
+
+
 def load_model(name: str = DEFAULT_MODEL, *, dtype: str | torch.dtype | None = None, device: str | None = None,
                device_map: str | None = None, attn_implementation: str | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode.
@@ -136,6 +157,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str | torch.dtype | None = N
 
     if not isinstance(name, str) or not name.strip():
         raise EpiKVError("model name must be a non-empty string")
+    check_device(device)
+    if isinstance(device_map, str) and device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        check_device(device_map)
     on_cuda = (device or "").startswith("cuda") or device_map is not None
     if dtype is None:
         dtype = torch.bfloat16 if on_cuda else torch.float32

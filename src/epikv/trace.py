@@ -14,7 +14,7 @@ from .errors import EpiKVError
 @dataclass
 class TokenTrace:
     tokens: list[str]  # decoded text of each token
-    scores: list[float]  # the policy's frozen per-token score (0 for prompt tokens' first position)
+    scores: list[float]  # the score the evicting pass's policy gave each token when it entered the cache
     evicted: list[bool]  # evicted by the end of the text at `budget`
     is_prompt: list[bool]
     policy: str
@@ -22,39 +22,46 @@ class TokenTrace:
 
 
 def trace_scores(model, tokenizer, prompt_ids: list[int], completion_ids: list[int], policy: str = "epikv",
-                 budget: int = 256, tau: int = 1, chunk: int = 256, **settings) -> TokenTrace:
-    """Stream prompt + completion through the model twice: once without eviction to read every token's score,
-    once with eviction at `budget` (chunks of `tau`) to see which tokens the policy drops."""
+                 budget: int = 256, tau: int = 1, **settings) -> TokenTrace:
+    """Stream prompt + completion through the model once, evicting at `budget` in chunks of `tau` as during
+    generation, and record every token's score as the policy computes it on arrival (evicted tokens included).
+
+    The colours and the strike-through come from the same pass: once tokens are evicted, later tokens' hidden states
+    (hence their scores) differ from what a pass without eviction would give."""
+    from .policies import get_policy
+    from .policies.hidden import HiddenStatePolicy
+
     if not prompt_ids:
         raise EpiKVError("empty prompt")
     if not completion_ids:
         raise EpiKVError("empty text to trace")
+    pol = get_policy(policy, tau=tau, **settings)
+    if not isinstance(pol, HiddenStatePolicy):
+        raise EpiKVError(f"policy {pol.name} has no per-token score to trace (it scores at eviction time); "
+                         "trace an EPIKV policy: epikv, epikv-raw, epikv-a, epikv-band")
     ids = torch.tensor([prompt_ids + completion_ids])
-    n = ids.shape[1]
+    n, p = ids.shape[1], len(prompt_ids)
+    arrived: list[torch.Tensor] = []  # scores of the real tokens of each forward, in order
     with torch.inference_mode():
-        # scores: a cache large enough never to evict, prefill in chunks (equal to token-by-token, tested)
-        dec = Decoder(model, policy, budget=n + 1, tau=1, **settings)
-        if "score" not in _token_data_keys(dec):
-            raise EpiKVError(f"policy {policy} has no per-token score to trace (it scores at eviction time)")
-        dec.prefill(ids[:, : len(prompt_ids)], [0])
-        for s in range(len(prompt_ids), n, chunk):
-            dec.step(ids[:, s : s + chunk])
-        scores = dec.cache.token_data["score"][0].float().tolist()
-        # evictions at the budget, in chunks of tau as during generation
-        dec = Decoder(model, policy, budget=budget, tau=tau, **settings)
-        dec.prefill(ids[:, : len(prompt_ids)], [0])
-        for s in range(len(prompt_ids), n, tau):
+        dec = Decoder(model, pol, budget=budget)
+        on_tokens = dec.policy.on_tokens  # the cache's own policy instance
+
+        def recording(state, obs):
+            out = on_tokens(state, obs)
+            arrived.append(out["score"][0][obs.valid[0]].float().cpu())  # [T] (batch of one)
+            return out
+
+        dec.policy.on_tokens = recording  # this instance only: what the policy computes is unchanged
+        dec.prefill(ids[:, :p], [0])
+        for s in range(p, n, tau):
             dec.step(ids[:, s : s + tau])
         kept = set(dec.cache.token_data["pos"][0].tolist())
+    scores = torch.cat(arrived).tolist()
+    if len(scores) != n:  # every token is scored exactly once, on arrival
+        raise RuntimeError(f"trace recorded {len(scores)} scores for {n} tokens")
     tokens = [tokenizer.decode([t]) for t in prompt_ids + completion_ids]
     return TokenTrace(tokens=tokens, scores=scores, evicted=[i not in kept for i in range(n)],
-                      is_prompt=[i < len(prompt_ids) for i in range(n)], policy=policy, budget=budget)
-
-
-def _token_data_keys(dec: Decoder) -> set[str]:
-    from .policies.hidden import HiddenStatePolicy
-
-    return {"score"} if isinstance(dec.policy, HiddenStatePolicy) else set()
+                      is_prompt=[i < p for i in range(n)], policy=pol.name, budget=budget)
 
 
 def _colour(score: float, scale: float) -> tuple[int, int, int]:

@@ -12,7 +12,8 @@ The prefix cache is reused: the clean text is run once; for a window starting at
 
 Record format (one JSON object per trace, one line each in DIR/labels.jsonl), shareable without the traces' text
 when written with include_text=False:
-  id, model, label ("nll" | "flip"), filler ("eos" | "pad" | "random"), filler_id, settings {window, stride,
+  id, model, label ("nll" | "flip"), filler ("eos" | "pad" | "random"; "pad" is refused when the pad token is the
+  EOS token), filler_id and filler_token (the occluding token's id and text; null for random), settings {window, stride,
   answer_tokens, max_reasoning_tokens, regen_tokens, seed}, token_ids, offsets ([start, end) character offsets of
   every token into prompt + trace after "<think>\\n", i.e. the source's full_cot), tokens (decoded text of every
   token, optional), reasoning [start, end) and answer [start, end) token ranges, labels (one per token, null outside
@@ -65,19 +66,28 @@ def token_labels(n: int, wins: list[tuple[int, int]], values: list[float], kind:
     return out
 
 
-def filler_ids(tokenizer, filler: str, length: int, vocab: int, seed: int) -> torch.Tensor:
-    if filler == "eos":
-        tid = tokenizer.eos_token_id
-    elif filler == "pad":
-        tid = tokenizer.pad_token_id
-    elif filler == "random":
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, vocab, (length,), generator=gen)
-    else:
+def filler_token(tokenizer, filler: str) -> int | None:
+    """The token id a filler occludes with (None for "random"). "pad" is refused when the pad token is the EOS token
+    (SmolLM2, and any tokenizer without a pad token, which `load_model` gives EOS as pad): it would be "eos" again."""
+    if filler == "random":
+        return None
+    if filler not in FILLERS:
         raise EpiKVError(f"unknown filler {filler!r}; choose one of {', '.join(FILLERS)}")
+    tid = tokenizer.eos_token_id if filler == "eos" else tokenizer.pad_token_id
     if tid is None:
         raise EpiKVError(f"the tokenizer has no {filler} token; choose another --filler")
-    return torch.full((length,), int(tid), dtype=torch.long)
+    if filler == "pad" and tid == tokenizer.eos_token_id:
+        raise EpiKVError(f"--filler pad: this model's pad token is its EOS token ({tokenizer.eos_token!r}, id {tid}), "
+                         "so it would be the same as --filler eos; use --filler eos or random")
+    return int(tid)
+
+
+def filler_ids(tokenizer, filler: str, length: int, vocab: int, seed: int) -> torch.Tensor:
+    tid = filler_token(tokenizer, filler)
+    if tid is None:  # random
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (length,), generator=gen)
+    return torch.full((length,), tid, dtype=torch.long)
 
 
 # -- spans of a trace ------------------------------------------------------------------------------------------------
@@ -176,6 +186,7 @@ def occlusion_labels(model, tokenizer, ids: list[int], spans: Spans, *, kind: st
     if not 0 < spans.r0 < spans.r1 < spans.a1 <= len(ids):
         raise EpiKVError(f"bad spans {spans} for {len(ids)} tokens: need prompt, reasoning and answer")
     wins = windows(spans.r0, spans.r1, window, stride)
+    filler_token(tokenizer, filler)  # a refused filler fails before any model pass
     vocab = model.get_input_embeddings().weight.shape[0]
     x = torch.tensor([ids])
     eos = {int(t) for t in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
@@ -204,8 +215,9 @@ def occlusion_labels(model, tokenizer, ids: list[int], spans: Spans, *, kind: st
             if progress is not None:
                 progress.update(1)
     labels = token_labels(len(ids), wins, values, kind)
-    out = {"windows": [[s, e, v] for (s, e), v in zip(wins, values)], "labels": labels,
-           "filler_id": None if filler == "random" else int(filler_ids(tokenizer, filler, 1, vocab, 0)[0])}
+    fid = filler_token(tokenizer, filler)
+    out = {"windows": [[s, e, v] for (s, e), v in zip(wins, values)], "labels": labels, "filler_id": fid,
+           "filler_token": None if fid is None else tokenizer.convert_ids_to_tokens(fid)}
     if kind == "nll":
         out["clean"] = {"answer_nll": clean}
     else:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, load, nonneg_int, positive_int
+from .common import add_model_args, load, nonneg_int, out_dir, out_file, positive_int
 
 
 def register(sub) -> None:
@@ -22,7 +22,9 @@ def register(sub) -> None:
                      help="nll: answer NLL increase (continuous, default); flip: regenerated answer changes")
     lab.add_argument("--window", type=positive_int, default=32)
     lab.add_argument("--stride", type=positive_int, default=16)
-    lab.add_argument("--filler", choices=("eos", "pad", "random"), default="eos")
+    lab.add_argument("--filler", choices=("eos", "pad", "random"), default="eos",
+                     help="occluding token: eos (default), pad (refused when the pad token is EOS, as in SmolLM2), "
+                          "random (seeded random ids)")
     lab.add_argument("--regen-tokens", type=positive_int, default=512, help="flip: greedy answer tokens at most")
     lab.add_argument("--answer-tokens", type=positive_int, default=64,
                      help="answer tokens kept after the reasoning span (nll scores all of them)")
@@ -33,7 +35,7 @@ def register(sub) -> None:
     lab.add_argument("--all-traces", action="store_true", help="flip: also label incorrect traces")
     lab.add_argument("--no-text", action="store_true", help="omit the decoded token texts from the records")
     lab.add_argument("--seed", type=nonneg_int, default=0, help="random filler seed")
-    lab.add_argument("--out", required=True, help="output folder (labels.jsonl, appended, resumable)")
+    lab.add_argument("--out", required=True, type=out_dir, help="output folder (labels.jsonl, appended, resumable)")
     add_model_args(lab)
     _threads(lab)
     lab.set_defaults(run=run_label)
@@ -43,7 +45,7 @@ def register(sub) -> None:
     pro.add_argument("--smooth", type=positive_int, default=64, help="trailing mean of g_l (tokens)")
     pro.add_argument("--bootstrap", type=nonneg_int, default=1000, help="cluster-bootstrap resamples over traces")
     pro.add_argument("--seed", type=nonneg_int, default=0)
-    pro.add_argument("--out", required=True, help="output folder: profile.json, profile.png")
+    pro.add_argument("--out", required=True, type=out_dir, help="output folder: profile.json, profile.png")
     add_model_args(pro)
     _threads(pro)
     pro.set_defaults(run=run_profile, model=None)
@@ -53,7 +55,7 @@ def register(sub) -> None:
     bands.add_argument("--stat", choices=("trace_mean", "pooled", "partial_position"),
                        default="trace_mean", help="which rho picks the bands (partial_position: position partialled out)")
     bands.add_argument("--frac", type=float, default=0.5, help="band = run of layers with >= frac of the peak rho")
-    bands.add_argument("--out", required=True, help="band file to write (read by --bands-file)")
+    bands.add_argument("--out", required=True, type=out_file, help="band file to write (read by --bands-file)")
     bands.set_defaults(run=run_bands)
 
 
@@ -70,26 +72,16 @@ def _set_threads(args) -> None:
 
 def read_records(path: Path) -> list[dict]:
     """Records of a labels.jsonl; a torn last line (killed run) is ignored."""
-    if not path.exists():
-        return []
-    out = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise EpiKVError(f"{path}:{i + 1}: malformed record") from None
-    return out
+    from ..store import read_records as read  # the shared JSONL rules: never modifies the file
+
+    return read(path)
 
 
 def run_label(args) -> int:
-    from tqdm import tqdm
+    from ..progress import Progress
+    from ..store import Store
 
-    from ..anatomy.labels import Spans, occlusion_labels, tokenize_trace, windows
+    from ..anatomy.labels import Spans, filler_token, occlusion_labels, tokenize_trace, windows
     from ..data import read_jsonl
 
     if args.stride > args.window:
@@ -107,7 +99,6 @@ def run_label(args) -> int:
     if not rows:
         raise EpiKVError(f"no eligible traces in {args.traces}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "labels.jsonl"
     settings = {"window": args.window, "stride": args.stride, "answer_tokens": args.answer_tokens,
                 "max_reasoning_tokens": args.max_reasoning_tokens or None, "regen_tokens": args.regen_tokens,
@@ -121,25 +112,31 @@ def run_label(args) -> int:
     _set_threads(args)
     lm = load(args)
     tok = lm.tokenizer
+    filler_token(tok, args.filler)  # refuse pad == eos before any work
     prepared = [(r, *tokenize_trace(tok, r, args.answer_tokens, args.max_reasoning_tokens or None)) for r in todo]
     total = sum(len(windows(sp.r0, sp.r1, args.window, args.stride)) for _, _, _, sp, _ in prepared)
-    with open(path, "a", encoding="utf-8") as f, tqdm(total=total, unit="window", desc="occlusion") as bar:
+    out.mkdir(parents=True, exist_ok=True)
+    # a record's cell: the trace under these label settings (claimed, so concurrent runs never label it twice)
+    cell = lambda r: (r["id"], r.get("label"), r.get("filler"), json.dumps(r.get("settings"), sort_keys=True))  # noqa: E731
+    with Store(out, path.name, cell) as store, Progress("anatomy label", total, unit="windows") as bar:
         for row, ids, offs, sp, n_reason in prepared:
+            if not store.claim([(row["id"], args.label, args.filler, json.dumps(settings, sort_keys=True))]):
+                bar.skip(len(windows(sp.r0, sp.r1, args.window, args.stride)))  # done or taken by another process
+                continue
             bar.set_postfix_str(row["id"][-40:])
             t0 = time.perf_counter()
             res = occlusion_labels(lm.model, tok, ids, Spans(sp.r0, sp.r1, sp.a1), kind=args.label,
                                    window=args.window, stride=args.stride, filler=args.filler,
                                    regen_tokens=args.regen_tokens, seed=args.seed, progress=bar)
             rec = {"id": row["id"], "model": lm.name, "label": args.label, "filler": args.filler,
-                   "filler_id": res.pop("filler_id"), "settings": settings, "source_correct": row.get("is_correct"),
-                   "token_ids": ids, "offsets": offs,
+                   "filler_id": res.pop("filler_id"), "filler_token": res.pop("filler_token"), "settings": settings,
+                   "source_correct": row.get("is_correct"), "token_ids": ids, "offsets": offs,
                    "reasoning": [sp.r0, sp.r1], "answer": [sp.r1, sp.a1],
                    "truncated_from": n_reason if n_reason > sp.r1 - sp.r0 else None, **res,
                    "seconds": round(time.perf_counter() - t0, 2)}
             if not args.no_text:
                 rec["tokens"] = [tok.decode([t]) for t in ids]
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
+            store.append([rec])
     print(f"wrote {path}")
     return 0
 

@@ -1,4 +1,5 @@
-"""`epikv bench speed|memory`: decode throughput ratios per policy, and the single-pass memory wall."""
+"""`epikv bench speed|memory|throughput`: decode speed ratios per policy, the single-pass memory wall, and throughput
+under a KV-memory cap."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, positive_int, settings_by_policy
+from .common import (add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, nonneg_int, out_file,
+                     positive_int, settings_by_policy)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="performance benchmarks: decode speed and the memory wall",
+    p = sub.add_parser("bench", help="performance benchmarks: decode speed, memory wall, throughput under a cap",
                        description="Performance benchmarks, measured through the engine's Decoder.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
@@ -36,7 +38,8 @@ def register(sub) -> None:
     s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB)")
     s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default=None, help="write the JSON here (and a PNG next to it); default: stdout only")
+    s.add_argument("--out", default=None, type=out_file,
+                   help="write the JSON here (and a PNG next to it); default: stdout only")
     s.set_defaults(run=run_speed, policies=None, budgets=[512])
 
     m = bsub.add_parser("memory", help="peak memory of one forward pass: attention weights vs attention-free",
@@ -49,8 +52,35 @@ def register(sub) -> None:
                    help="memory cap per point (required on CPU; on CUDA a point above it is reported over-cap)")
     m.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads in each child")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--out", default=None, help="write the JSON here (and a PNG next to it); default: stdout only")
+    m.add_argument("--out", default=None, type=out_file,
+                   help="write the JSON here (and a PNG next to it); default: stdout only")
     m.set_defaults(run=run_memory)
+
+    t = bsub.add_parser("throughput", help="largest batch under a KV-memory cap per policy, and its throughput",
+                        description="Per policy, the largest static batch whose KV cache (counted from the buffers the "
+                                    "cache allocates, plus an observing policy's attention weights / hidden states) "
+                                    "fits --cap-mib; the request set run at that batch and smaller ones, interleaved; "
+                                    "tokens/s, time to finish and memory as ratios to full. Generation length is "
+                                    "forced (EOS ignored); static batches: a request keeps its slot until its batch "
+                                    "ends.")
+    add_model_args(t)
+    add_policy_args(t, multi=True)
+    t.add_argument("--cap-mib", type=nonneg_float, required=True, help="KV-memory cap (MiB) every batch must fit")
+    t.add_argument("--data", default="math500", help="dataset name or JSONL path (fields id, problem, answer)")
+    t.add_argument("--data-dir", default=None, help="folder of the named datasets (default: ../shared/data)")
+    t.add_argument("--requests", type=positive_int, default=8, help="N: the first N prompts of the dataset")
+    t.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                   help="take only prompts of at most this many tokens (skipping longer ones)")
+    t.add_argument("--max-new-tokens", type=positive_int, default=2048, help="tokens generated per request (forced)")
+    t.add_argument("--ladder", type=nonneg_int, default=1,
+                   help="smaller batch sizes per policy: max/2, max/4 ... (default 1); full's batch is always added")
+    t.add_argument("--batch-sizes", type=int_list, default=None, help="extra batch sizes to run for every policy")
+    t.add_argument("--ladder-full-set", action="store_true",
+                   help="run the whole request set at the smaller batch sizes too (default: their first batch)")
+    t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    t.add_argument("--out", default=None, type=out_file,
+                   help="write the JSON here (and a PNG next to it); default: stdout only")
+    t.set_defaults(run=run_throughput, policies=["full", "epikv"], budgets=[1024])
 
 
 def _environment() -> dict:
@@ -65,7 +95,8 @@ def _environment() -> dict:
 
 
 def _settings(args) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in ("run", "command", "bench")}
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in vars(args).items()
+            if k not in ("run", "command", "bench")}
 
 
 def _write(result: dict, out: str | None, plot) -> None:
@@ -106,27 +137,31 @@ def run_speed(args) -> int:
     dtype = str(lm.model.dtype).replace("torch.", "")
     env_start = _environment()
     jr = Journal(args.out + ".jsonl" if args.out else None)  # finished budgets survive a killed run
-    blocks = []
-    for k in args.budgets:
-        key = json.dumps(["speed", args.model, device, dtype, k, [c.label for c in configs], args.gen_tokens,
-                          args.round_steps, args.prompt_tokens, args.seed])
-        if key in jr.done:
-            print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
-            blocks.append(jr.done[key]["block"])
-            continue
-        block = run_budget(lm.model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens, seed=args.seed,
-                           on_round=lambda i, n: print(f"K={k}: round {i}/{n}", file=sys.stderr))
-        jr.add({"key": key, "block": block})
-        blocks.append(block)
-        _print_block(block)
-    long = []
-    if not args.no_long:
-        kl = args.long_budget or args.budgets[0]
-        long = run_long(args.model, args.long_policies, kl, args.long_lengths, tau=taus[0], device=device,
-                        dtype=args.dtype, cap_gib=args.cap_gib or None, seed=args.seed,
-                        prompt_tokens=args.prompt_tokens, model=lm.model,
-                        settings=settings.__getitem__, threads=args.threads,
-                        on_point=lambda p: print(f"long {p.get('policy')}: {_fmt_point(p)}", file=sys.stderr))
+    hb = _heartbeat("bench speed", "steps (rounds, long checkpoints)")
+    try:
+        blocks = []
+        for k in args.budgets:
+            key = json.dumps(["speed", args.model, device, dtype, k, [c.label for c in configs], args.gen_tokens,
+                              args.round_steps, args.prompt_tokens, args.seed])
+            if key in jr.done:
+                print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
+                blocks.append(jr.done[key]["block"])
+                continue
+            block = run_budget(lm.model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens,
+                               seed=args.seed, on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"))
+            jr.add({"key": key, "block": block})
+            blocks.append(block)
+            _print_block(block)
+        long = []
+        if not args.no_long:
+            kl = args.long_budget or args.budgets[0]
+            long = run_long(args.model, args.long_policies, kl, args.long_lengths, tau=taus[0], device=device,
+                            dtype=args.dtype, cap_gib=args.cap_gib or None, seed=args.seed,
+                            prompt_tokens=args.prompt_tokens, model=lm.model,
+                            settings=settings.__getitem__, threads=args.threads,
+                            on_point=lambda p: _tick(hb, f"long {p.get('policy')}: {_fmt_point(p)}"))
+    finally:
+        hb.close()
     result = {"kind": "speed", "model": args.model, "device": device, "dtype": dtype, "budgets": blocks,
               "long_budget": None if args.no_long else (args.long_budget or args.budgets[0]), "long": long,
               "environment": {"start": env_start, "end_loadavg": list(os.getloadavg())}, "settings": _settings(args)}
@@ -134,11 +169,23 @@ def run_speed(args) -> int:
     return 0
 
 
+def _heartbeat(label: str, unit: str, total: int | None = None):
+    """Plain progress lines every 20 s when stderr is not a terminal (the run's own lines stay as they are)."""
+    from ..progress import Progress
+
+    return Progress(label, total=total, unit=unit, bar=False)
+
+
+def _tick(hb, line: str) -> None:
+    hb.update(1)
+    print(line, file=sys.stderr, flush=True)
+
+
 def _fmt_point(p: dict) -> str:
     if p.get("status", "ok") != "ok":
         return f"{p['status']} {p.get('error', '')}"
     return (f"{p['generated']} tokens, {p['segment_tokens_per_s']:.1f} tok/s, cache {p['cache_length']}, "
-            f"peak {p.get('peak_gib', float('nan')):.3f} GiB")
+            f"peak {p.get('peak_gib', float('nan')):.3f} GiB, KV cache peak {p.get('kv_cache_peak_mib', float('nan')):.2f} MiB")
 
 
 def _print_block(block: dict) -> None:
@@ -164,9 +211,14 @@ def run_memory(args) -> int:
         if not torch.cuda.is_available():
             raise EpiKVError("--device cuda was asked for, but no CUDA device is available")
     env = _environment()
-    res = measure(args.model, args.lengths, args.cap_gib or None, device=device, dtype=args.dtype, attn=args.attn,
-                  modes=tuple(args.modes), seed=args.seed, journal=(args.out + ".jsonl") if args.out else None,
-                  threads=args.threads, on_point=lambda p: print(_fmt_mem(p), file=sys.stderr))
+    hb = _heartbeat("bench memory", "points", total=len(args.modes) * len(set(args.lengths)))
+    try:
+        res = measure(args.model, args.lengths, args.cap_gib or None, device=device, dtype=args.dtype,
+                      attn=args.attn, modes=tuple(args.modes), seed=args.seed,
+                      journal=(args.out + ".jsonl") if args.out else None, threads=args.threads,
+                      on_point=lambda p: _tick(hb, _fmt_mem(p)))
+    finally:
+        hb.close()
     res.update(kind="memory", environment={"start": env, "end_loadavg": list(os.getloadavg())},
                settings=_settings(args))
     _write(res, args.out, plot_memory)
@@ -177,3 +229,85 @@ def _fmt_mem(p: dict) -> str:
     if p["status"] == "ok":
         return f"{p['mode']:<12} n={p['n']:<6} peak {p['peak_gib']:.3f} GiB (+{p['delta_gib']:.3f})"
     return f"{p['mode']:<12} n={p['n']:<6} {p['status']}: {p.get('error', '')}"
+
+
+def run_throughput(args) -> int:
+    import torch
+
+    from ..bench.memory import Journal
+    from ..bench.plots import plot_throughput
+    from ..bench.throughput import FULL, MIB, Plan, job_key, run_throughput as measure
+    from ..data import data_dir
+    from ..engine import eos_ids
+    from ..eval.datasets import load_dataset
+    from ..eval.prompts import build_prompt, get_protocol
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cap_mib <= 0:
+        raise EpiKVError(f"--cap-mib must be positive, got {args.cap_mib:g}")
+    names = list(dict.fromkeys(args.policies))
+    if FULL not in names:
+        raise EpiKVError("--policies must include full: every ratio is to full")
+    settings = settings_by_policy(args, names)  # unknown names and stray --set refused before loading anything
+    folder = args.data_dir or (str(data_dir()) if not args.data.endswith(".jsonl") else None)
+    ds = load_dataset(args.data, data_dir=folder)
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise EpiKVError("--device cuda was asked for, but no CUDA device is available")
+    lm = load(args)
+    tok = lm.tokenizer
+    prompts = []
+    for row in ds.rows:
+        ids = (build_prompt(tok, row["problem"], get_protocol("paper")) if getattr(tok, "chat_template", None)
+               else list(tok(row["problem"])["input_ids"]))
+        if args.max_prompt_tokens is None or len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == args.requests:
+            break
+    if len(prompts) < args.requests:
+        limit = f" of at most {args.max_prompt_tokens} tokens" if args.max_prompt_tokens else ""
+        raise EpiKVError(f"{ds.name} has only {len(prompts)} prompts{limit}; --requests is {args.requests}")
+    plans = []
+    for name in names:
+        budgets = args.budgets if name != FULL else [None]
+        for k in dict.fromkeys(budgets):
+            plans.append(Plan.make(lm.model, name, k, args.tau, settings[name]))
+    device = _device_of(lm.model)
+    dtype = str(lm.model.dtype).replace("torch.", "")
+    env_start = _environment()
+    jr = Journal(args.out + ".jsonl" if args.out else None)  # finished batches survive a killed run
+
+    def progress(c, j, rec):
+        print(f"{c.plan.label} batch {c.batch} [{j + 1}/{len(c.jobs)}]: {rec['rows']} x {args.max_new_tokens} tokens "
+              f"in {rec['seconds']:.1f} s ({rec['rows'] * args.max_new_tokens / rec['seconds']:.1f} tok/s), KV "
+              f"{rec['kv_peak_bytes'] / MIB:.1f} MiB (predicted {rec['predicted_kv_bytes'] / MIB:.1f})", file=sys.stderr)
+
+    res = measure(lm.model, tok, plans, prompts, args.max_new_tokens, args.cap_mib, ladder=args.ladder,
+                  extra_batches=args.batch_sizes, ladder_full_set=args.ladder_full_set, eos=eos_ids(lm.model, tok),
+                  journal=jr, job_key=job_key(args.model, device, dtype, args.max_new_tokens, args.cap_mib, settings),
+                  on_job=progress)
+    res.update(kind="throughput", model=args.model, device=device, dtype=dtype, data=ds.source,
+               static_batches="requests run in static batches in dataset order: a request keeps its slot until its "
+                              "batch ends; generation length forced (EOS ignored), so every policy does equal work; "
+                              "static_waste_fraction = slot-steps after a request's first EOS plus empty slots of a "
+                              "partial last batch, over all slot-steps",
+               environment={"start": env_start, "end_loadavg": list(os.getloadavg())}, settings=_settings(args))
+    _print_throughput(res)
+    _write(res, args.out, plot_throughput)
+    return 0
+
+
+def _print_throughput(res: dict) -> None:
+    print(f"cap {res['cap_mib']:g} MiB, {res['requests']} requests x {res['new_tokens']} tokens", file=sys.stderr)
+    for label, s in res["search"].items():
+        print(f"  {label:<16} max batch {s['max_batch']} ({s['fits_sequences_of_longest_prompt']} sequences of the "
+              f"longest prompt fit)", file=sys.stderr)
+    for p in res["points"]:
+        t = p["time_all_requests_s"]
+        print(f"  {p['label']:<16} b={p['batch']:<3} {p['aggregate_tokens_per_s']:8.1f} tok/s  "
+              f"{p['per_sequence_tokens_per_s']:6.2f} tok/s/seq  "
+              f"{'all in %.0f s' % t if t else 'first batch only'}  waste {p['static_waste_fraction']:.1%}",
+              file=sys.stderr)
+    for name, d in res["ratios"].items():
+        for label, r in d.items():
+            print(f"  {name} {label}: " + ", ".join(f"{k} {v:.3g}" for k, v in r.items()), file=sys.stderr)

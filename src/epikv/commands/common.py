@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
@@ -35,10 +36,49 @@ nonneg_float = _number(float, lambda v: v >= 0, "a number >= 0")  # also refuses
 def read_text(path: str, what: str = "") -> str:
     """A text file's contents, or a one-line error naming it."""
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         why = getattr(e, "strerror", None) or str(e)
         raise EpiKVError(f"cannot read {what + ' ' if what else ''}{path}: {why}") from None
+
+
+def _first_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def out_dir(text: str) -> str:
+    """An argparse type for an output folder: refused when it (or a folder above it) exists as a file."""
+    p = Path(text)
+    if p.exists() and not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    if not _first_existing(p).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {_first_existing(p)} is a file, not a folder")
+    return text
+
+
+def out_file(text: str) -> str:
+    """An argparse type for an output file: refused when it is a folder or a folder above it is a file."""
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file to write")
+    if not _first_existing(p.parent).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {_first_existing(p.parent)} is a file, not a folder")
+    return text
+
+
+class _Given(argparse.Action):
+    """Store the value and remember that the option was given on the command line (not left at its default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = set(getattr(namespace, "given", None) or ()) | {self.dest}
+
+
+def warn(args: argparse.Namespace, message: str) -> None:
+    """A one-line warning on stderr; the command goes on."""
+    print(f"epikv {getattr(args, 'command', '')}: warning: {message}", file=sys.stderr)
 
 
 def int_list(text: str) -> list[int]:
@@ -79,11 +119,30 @@ def policy_setting(text: str) -> tuple[str, str, object]:
         value = raw.strip()
     value = tuple(value) if isinstance(value, list) else value
     default = fields[key].default
-    # the default's exact type (bool is not an int here), an int where a float is expected; None: anything
-    want = type(default)
-    if default is not None and value is not None and type(value) is not want and (want, type(value)) != (float, int):
-        raise argparse.ArgumentTypeError(f"{name}.{key} expects {want.__name__}, got {raw!r}")
+    # the default's exact type (bool is not an int here), an int where a float is expected; a None default: the
+    # plain types its annotation names (`int | None` -> int), anything when it names none
+    wants = [type(default)] if default is not None else _annotated_types(cls, key)
+    ok = lambda want: type(value) is want or (want, type(value)) == (float, int)  # noqa: E731
+    if value is not None and wants and not any(ok(w) for w in wants):
+        raise argparse.ArgumentTypeError(f"{name}.{key} expects {' or '.join(w.__name__ for w in wants)}, "
+                                         f"got {raw!r}")
     return name, key, value
+
+
+def _annotated_types(cls, key: str) -> list[type]:
+    """Plain types (int, float, bool, str, tuple) named by a dataclass field's annotation, None excluded."""
+    import typing
+
+    try:
+        hint = typing.get_type_hints(cls)[key]
+    except Exception:  # an annotation this Python cannot evaluate: no check
+        return []
+    out = []
+    for t in typing.get_args(hint) or (hint,):
+        t = typing.get_origin(t) or t
+        if t in (int, float, bool, str, tuple):
+            out.append(t)
+    return out
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -127,17 +186,23 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g = p.add_argument_group("eviction")
     if multi:
         g.add_argument("--policies", type=name_list, default=["epikv"], help="comma-separated policy names")
-        g.add_argument("--budgets", type=int_list, default=[1024], help="comma-separated cache budgets K")
+        g.add_argument("--budgets", type=int_list, default=[1024], action=_Given,
+                       help="comma-separated cache budgets K")
     else:
         g.add_argument("--policy", default="epikv", help=f"one of: {', '.join(policy_names())}")
-        g.add_argument("--budget", type=positive_int, default=1024, help="cache budget K (tokens, prompt included)")
+        g.add_argument("--budget", type=positive_int, default=1024, action=_Given,
+                       help="cache budget K (tokens, prompt included; ignored by full, with a warning)")
     g.add_argument("--tau", type=positive_int, default=None, help="eviction interval (default 1: every step)")
     g.add_argument("--recent", type=nonneg_int, default=None, help="protected recent tokens (default min(128, K/4))")
     g.add_argument("--no-protect-prompt", action="store_true", help="protect only the first --n-sink tokens")
-    g.add_argument("--n-sink", type=nonneg_int, default=None, help="sink tokens protected without prompt protection")
-    g.add_argument("--layers", type=layer_list, default=None, help="EPIKV blocks A,B (default 10,21 of 32, scaled)")
-    g.add_argument("--bands", type=band_list, default=None, help="band-adaptive bands, e.g. 7-13,18-25")
-    g.add_argument("--bands-file", default=None, help="a band file written by `epikv anatomy bands`")
+    g.add_argument("--n-sink", type=nonneg_int, default=None,
+                   help="sink tokens protected without prompt protection (only with --no-protect-prompt)")
+    g.add_argument("--layers", type=layer_list, default=None,
+                   help="EPIKV blocks A,B (default 10,21 of 32, scaled; epikv, epikv-raw, epikv-a)")
+    g.add_argument("--bands", type=band_list, default=None, help="band-adaptive bands, e.g. 7-13,18-25 (epikv-band)")
+    g.add_argument("--bands-file", default=None,
+                   help="a band file written by `epikv anatomy bands` (its layers: epikv, epikv-raw, epikv-a; "
+                        "its bands: epikv-band)")
     g.add_argument("--set", type=policy_setting, action="append", default=[], metavar="POLICY.SETTING=VALUE",
                    help="any other policy setting, e.g. lagkv.lag=128 (repeatable; see `epikv policies --json`)")
 
@@ -172,21 +237,52 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
 
 
 def settings_by_policy(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
-    """{name: policy_settings(args, name)} for the policies a command runs; a --set naming any other is refused."""
+    """{name: policy_settings(args, name)} for the policies a command runs. Options none of these policies would
+    read are refused (a --set naming another policy, --layers / --bands / --bands-file without a policy that has
+    them, --n-sink while the prompt is protected); --budget with only non-evicting policies is a warning."""
+    import dataclasses
+
+    from ..policies import REGISTRY
+
     stray = sorted({name for name, _, _ in getattr(args, "set", None) or [] if name not in names})
     if stray:
         raise EpiKVError(f"--set names {', '.join(stray)}, which this command does not run")
-    return {name: policy_settings(args, name) for name in names}
+    out = {name: policy_settings(args, name) for name in names}
+    fields = {n: {f.name: f.default for f in dataclasses.fields(REGISTRY[n])} for n in names}
+    running = ", ".join(names)
+    has = lambda key: [n for n in names if key in fields[n]]  # noqa: E731
+    if getattr(args, "layers", None) is not None and not has("layers"):
+        raise EpiKVError(f"--layers is read by epikv, epikv-raw and epikv-a, not by {running}")
+    if getattr(args, "bands", None) is not None and not has("bands"):
+        raise EpiKVError(f"--bands is read by epikv-band only, not by {running} (for epikv: --layers)")
+    if getattr(args, "bands_file", None):
+        layers_f, bands_f = read_bands_file(args.bands_file)
+        if not (layers_f and has("layers")) and not (bands_f and has("bands")):
+            what = " and ".join(x for x, y in (("layers", layers_f), ("bands", bands_f)) if y)
+            readers = ", ".join(x for x, y in (("epikv, epikv-raw, epikv-a", layers_f), ("epikv-band", bands_f)) if y)
+            raise EpiKVError(f"--bands-file: its {what} are read by {readers}, not by {running}")
+    if getattr(args, "n_sink", None) is not None and not any(
+            not out[n].get("protect_prompt", fields[n]["protect_prompt"]) for n in names):
+        raise EpiKVError("--n-sink only applies with --no-protect-prompt (otherwise the whole prompt is protected)")
+    given = getattr(args, "given", None) or set()
+    if given & {"budget", "budgets"} and not any(REGISTRY[n].evicts for n in names):
+        warn(args, f"{running} never evict{'s' if len(names) == 1 else ''}: "
+                   f"--{'budget' if 'budget' in given else 'budgets'} is ignored")
+    return out
 
 
 def read_bands_file(path: str) -> tuple[tuple[int, ...] | None, tuple | None]:
     """A band file: {"layers": [A, B], "band_a": [...], "band_b": [...]} (written by `epikv anatomy bands`)."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EpiKVError(f"bands file {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise EpiKVError(f"cannot read bands file {path}: not UTF-8 text (expected the JSON written by "
+                         "`epikv anatomy bands`)") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise EpiKVError(f"cannot read bands file {path}: {e}") from None
+        why = getattr(e, "strerror", None) or str(e)
+        raise EpiKVError(f"cannot read bands file {path}: {why}") from None
     try:
         layers = tuple(int(x) for x in data["layers"]) if data.get("layers") else None
         bands = (tuple(int(x) for x in data["band_a"]), tuple(int(x) for x in data["band_b"])) \

@@ -16,12 +16,19 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system prompt (with --chat)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--raw", action="store_true",
+                     help="feed the prompt as plain text (default: the model's chat template, when it has one)")
+    fmt.add_argument("--chat", action="store_true",
+                     help="the chat template (the default already; kept for compatibility; refused without one)")
+    p.add_argument("--system", default=None, help="system prompt of the chat template (refused with --raw)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=nonneg_float, default=1.0)
     p.add_argument("--top-k", type=nonneg_int, default=0)
+    p.add_argument("--min-p", type=nonneg_float, default=0.0, help="min-p filter in [0, 1] (0 = off)")
+    p.add_argument("--repetition-penalty", type=nonneg_float, default=1.0,
+                   help="penalty > 0 on tokens already in the prompt or output (1 = off; greedy too)")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, help="prefill in chunks of this many tokens")
@@ -40,9 +47,16 @@ def run(args) -> int:
         prompt = args.prompt
     if not prompt or not prompt.strip():
         raise EpiKVError("empty prompt")
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.system is not None and args.raw:
+        raise EpiKVError("--system needs the chat template, which --raw turns off")
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                        min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     settings = settings_by_policy(args, [args.policy])[args.policy]
     lm = load(args)
+    # the chat template by default, as transformers' chat tools do: an instruct model fed raw text often ends at once
+    chat = not args.raw and bool(getattr(lm.tokenizer, "chat_template", None))
+    if not chat and not args.raw and (args.chat or args.system is not None):
+        raise EpiKVError(f"model {args.model} has no chat template: drop {'--chat' if args.chat else '--system'}")
     live = not args.json
     tty = sys.stderr.isatty()
 
@@ -55,7 +69,7 @@ def run(args) -> int:
             sys.stderr.flush()
 
     res = generate(lm.model, lm.tokenizer, prompt, policy=args.policy, budget=args.budget, tau=args.tau,
-                   max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat,
+                   max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=chat,
                    system=args.system, prefill_chunk=args.prefill_chunk, on_step=on_step if live else None,
                    **settings)
     st = res.stats

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
+    from .common import out_dir
+
     p = sub.add_parser("report", help="tables and plots from eval and retention output directories",
                        description="Merge the records of one or more `epikv eval` directories into report.md, "
                                    "report.csv, accuracy_vs_budget.png and speed_vs_budget.png; and those of "
                                    "`epikv retention` directories into retention.md, retention_summary.json and "
                                    "retention_<metric>.png.")
     p.add_argument("dirs", nargs="+", help="eval or retention output directories")
-    p.add_argument("--out", default=None, help="where to write the report (default: the first directory)")
+    p.add_argument("--out", default=None, type=out_dir, help="where to write the report (default: the first directory)")
     p.add_argument("--reference", default="epikv", metavar="POLICY",
                    help="retention: the policy every other is compared with, paired on common traces (default epikv)")
     p.set_defaults(run=run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, nonneg_int, positive_int, settings_by_policy
+from .common import add_model_args, add_policy_args, load, nonneg_int, out_dir, positive_int, settings_by_policy
 
 
 def register(sub) -> None:
@@ -13,7 +13,10 @@ def register(sub) -> None:
         "retention", help="retention benchmark: answer NLL, top-1 agreement and KL against the full cache",
         description="Stream reasoning traces through the model under each policy and budget (chunks of tau tokens), "
                     "score the answer after </think> with teacher forcing, and compare every prediction with the full "
-                    "cache. Results are appended to OUT/results.jsonl (resumable); a table and plots go to OUT.")
+                    "cache. Results are appended to OUT/results.jsonl (resumable; several processes may share OUT, each record "
+                    "is computed once); a table and plots go to OUT. Each record is logged as [k/total]; when stderr "
+                    "is not a terminal a progress line with the time left also appears every 20 s "
+                    "($EPIKV_PROGRESS_SECONDS).")
     p.add_argument("--traces", default=None,
                    help="JSONL traces with id, problem, trace (default: reasoning_traces.jsonl in the data folder)")
     p.add_argument("--skip", type=nonneg_int, default=0,
@@ -24,10 +27,11 @@ def register(sub) -> None:
     p.add_argument("--max-answer-tokens", type=positive_int, default=None,
                    help="score only the first N answer tokens after </think> (CPU-sized runs)")
     p.add_argument("--system", default=None, help="system prompt of the chat-formatted problem (default: none)")
-    p.add_argument("--out", required=True, help="results folder (results.jsonl, retention.md, plots)")
+    p.add_argument("--out", required=True, type=out_dir, help="results folder (results.jsonl, retention.md, plots)")
     p.add_argument("--no-report", action="store_true", help="do not render the table and plots at the end")
     add_model_args(p)
     add_policy_args(p, multi=True)
+    p._option_string_actions["--tau"].help = "eviction interval: tokens per chunk fed between evictions (default 16)"
     p.set_defaults(run=run, tau=16, policies=["full", "epikv", "lag-kv", "streaming", "random"],
                    budgets=[256, 512, 1024])
 
@@ -53,8 +57,9 @@ def run(args) -> int:
                             max_answer_tokens=args.max_answer_tokens, model_name=args.model,
                             settings_for=settings.__getitem__)
     print(f"{summary['written']} records written, {summary['already_done']} already done, "
-          f"{len(summary['skipped_traces'])} traces skipped, {len(summary['failed'])} runs not possible "
-          f"-> {summary['results']}")
+          f"{len(summary['skipped_traces'])} traces skipped, {len(summary['failed'])} runs not possible"
+          + (f", {summary['claimed_elsewhere']} being computed by another process"
+             if summary.get("claimed_elsewhere") else "") + f" -> {summary['results']}")
     if not args.no_report:
         written = render_retention(read_records(out / "results.jsonl"), out)
         print("report: " + ", ".join(str(w) for w in written))

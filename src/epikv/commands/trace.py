@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, read_text, settings_by_policy
+from .common import add_model_args, add_policy_args, load, out_file, read_text, settings_by_policy
 
 
 def register(sub) -> None:
@@ -15,8 +15,8 @@ def register(sub) -> None:
     src.add_argument("--text-file", help="a text file (its first line is treated as the prompt)")
     src.add_argument("--prompt", help="the prompt (protected); use with --completion")
     p.add_argument("--completion", help="the text after the prompt")
-    p.add_argument("--html", help="write an HTML view here")
-    p.add_argument("--png", help="write a PNG plot here")
+    p.add_argument("--html", type=out_file, help="write an HTML view here")
+    p.add_argument("--png", type=out_file, help="write a PNG plot here")
     add_model_args(p)
     add_policy_args(p)
     p.set_defaults(run=run, budget=256)
@@ -37,14 +37,21 @@ def run(args) -> int:
         raise EpiKVError("empty prompt")
     if not completion.strip():
         raise EpiKVError("empty completion: nothing to trace")
+    settings = settings_by_policy(args, [args.policy])[args.policy]
+    from ..policies import REGISTRY
+    from ..policies.hidden import HiddenStatePolicy
+
+    if not issubclass(REGISTRY[args.policy], HiddenStatePolicy):
+        raise EpiKVError(f"policy {args.policy} has no per-token score to trace (it scores at eviction time); "
+                         "trace an EPIKV policy: epikv, epikv-raw, epikv-a, epikv-band")
     lm = load(args)
     tok = lm.tokenizer
     p_ids = tok(prompt, add_special_tokens=True)["input_ids"]
     c_ids = tok(completion, add_special_tokens=False)["input_ids"]
     tr = trace_scores(lm.model, tok, p_ids, c_ids, policy=args.policy, budget=args.budget, tau=args.tau or 1,
-                      **settings_by_policy(args, [args.policy])[args.policy])
+                      **settings)
     if args.html:
-        Path(args.html).write_text(render_html(tr))
+        Path(args.html).write_text(render_html(tr), encoding="utf-8")
     if args.png:
         render_png(tr, args.png)
     if not args.html and not args.png:
