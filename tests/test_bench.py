@@ -195,3 +195,135 @@ def test_compaction_moves_the_shorter_side(evicted):
         ref_k = torch.cat([ref_k, new_k], dim=2)
         assert torch.equal(layer.keys, ref_k) and layer.capacity == 60
     assert layer.off + layer.length <= 60
+
+
+# -- bench throughput: the memory accounting, the batch search, the command ------------------------------------------
+from epikv.bench.throughput import MIB, Plan, batch_bytes, chunks, fits, max_batch  # noqa: E402
+from epikv.engine import Decoder, attention_for, left_pad  # noqa: E402
+
+
+def _real_peaks(model, plan, prompts, new_tokens):
+    """Independent of the accounting: run a Decoder and read the real tensors. Returns (peak bytes of the K/V buffers
+    summed over layers, peak over forwards of those buffers + every attention-weight / hidden-state tensor the
+    policy's observed layers produced in that forward)."""
+    obs = plan.policy.observes(len(model.model.layers))
+    seen = []  # bytes of the observed tensors of the current forward
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        if i in obs.attention_layers:
+            handles.append(layer.self_attn.register_forward_hook(
+                lambda m, a, out: seen.append(out[1].numel() * out[1].element_size())))
+        if i in obs.hidden_layers:
+            handles.append(layer.register_forward_hook(
+                lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).numel() * 4)))
+    ids, n_pad = left_pad(prompts, 0)
+    kv_peak = total_peak = 0
+    try:
+        with torch.inference_mode(), attention_for(model, plan.policy):
+            dec = Decoder(model, plan.policy, plan.budget)
+
+            def measure():
+                nonlocal kv_peak, total_peak
+                kv = sum(l._kbuf.numel() * l._kbuf.element_size() + l._vbuf.numel() * l._vbuf.element_size()
+                         for l in dec.cache.layers)
+                kv_peak, total_peak = max(kv_peak, kv), max(total_peak, kv + sum(seen))
+                seen.clear()
+
+            nxt = dec.prefill(ids, n_pad).argmax(-1)
+            measure()
+            for _ in range(new_tokens - 1):
+                nxt = dec.step(nxt[:, None]).argmax(-1)
+                measure()
+    finally:
+        for h in handles:
+            h.remove()
+    return kv_peak, total_peak
+
+
+@pytest.mark.parametrize("name, budget, tau, width, new_tokens", [
+    ("full", None, None, 12, 300),  # 256 slots, grows to 512
+    ("full", None, None, 300, 12),  # a prompt wider than the hint: 300 slots, then 600
+    ("epikv", 40, 1, 12, 60),  # K + tau + slack from the start, never more
+    ("epikv", 40, 8, 12, 60),
+    ("h2o", 40, 4, 20, 50),  # + the attention weights of every layer (largest at the prefill)
+])
+def test_throughput_accounting_matches_the_real_buffers(tiny, name, budget, tau, width, new_tokens):
+    plan = Plan.make(tiny.model, name, budget, tau)
+    prompts = [list(range(100, 100 + width)), list(range(200, 200 + width - 3))]  # padded to `width`
+    kv, total = _real_peaks(tiny.model, plan, prompts, new_tokens)
+    pred = batch_bytes(plan, [len(p) for p in prompts], 2, new_tokens)[0]
+    assert pred["kv_bytes"] == kv
+    assert pred["peak_bytes"] == total
+    assert plan.shape.slot_bytes == 4 * 2 * 16 * 2 * 4  # layers x kv_heads x head_dim x K,V x float32
+
+
+@pytest.mark.parametrize("name, budget", [("full", None), ("epikv", 32), ("h2o", 32)])
+def test_throughput_batch_search_is_exact(tiny, name, budget):
+    """The found batch fits the cap and batch + 1 does not, by the bytes the real tensors hold."""
+    plan = Plan.make(tiny.model, name, budget, 4)
+    widths = [10, 14, 9, 11, 13, 8, 12, 10, 14]
+    prompts = [list(range(100, 100 + w)) for w in widths]
+    new_tokens = 40
+    one = _real_peaks(tiny.model, plan, [prompts[1]], new_tokens)[1]  # one sequence of the longest prompt
+    cap = int(3.5 * one)
+    b = max_batch(plan, widths, new_tokens, cap)
+    assert 1 <= b < len(widths)
+
+    def worst(batch):
+        return max(_real_peaks(tiny.model, plan, [prompts[i] for i in idx], new_tokens)[1]
+                   for idx in chunks(len(widths), batch))
+
+    assert worst(b) <= cap < worst(b + 1)
+    assert fits(plan, widths, b, new_tokens, cap) and not fits(plan, widths, b + 1, new_tokens, cap)
+
+
+def _problems(tmp_path, n=4):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"What is {i} plus {i + 1}?", "answer": str(2 * i + 1)})
+                            + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_cli_throughput_json(tmp_path):
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", "random:tiny", "--policies", "full,epikv", "--budgets", "64",
+            "--cap-mib", "0.6", "--data", _problems(tmp_path), "--requests", "3", "--max-new-tokens", "60",
+            "--threads", "1", "--out", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 1000
+    s = res["search"]
+    assert s["full"]["max_batch"] < s["epikv@K=64"]["max_batch"] and not s["full"]["batch_plus_one_fits"]
+    assert all(p["kv_accounting_exact"] and p["predicted_peak_bytes"] <= 0.6 * MIB for p in res["points"])
+    top = {p["label"]: p for p in res["points"] if p["full_request_set"]}
+    assert top["full"]["requests_run"] == 3 and top["full"]["time_all_requests_s"] > 0
+    assert res["ratios"]["at_max_batch"]["epikv@K=64"]["batch"] == s["epikv@K=64"]["max_batch"] / s["full"]["max_batch"]
+    assert "at_full_batch" in res["ratios"] and "static batches" in res["static_batches"]
+    # a partial last batch: its empty slots are the reported waste (EOS never ends a random model's output here)
+    f = top["full"]
+    assert f["batch"] == 2 and f["slot_steps_idle"] == 60 and f["slot_steps"] == 2 * 2 * 60
+    assert f["static_waste_fraction"] == 0.25
+    lines = (tmp_path / "tp.json.jsonl").read_text().splitlines()
+    assert main(argv) == 0  # rerun: every batch comes from the journal
+    assert (tmp_path / "tp.json.jsonl").read_text().splitlines() == lines
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--cap-mib", "0.05"], "too small for one full sequence"),
+    (["--cap-mib", "0"], "--cap-mib must be positive"),
+    (["--policies", "epikv"], "must include full"),
+    (["--policies", "full,nope"], "unknown policy 'nope'"),
+    (["--requests", "9"], "has only 4 prompts"),
+    (["--budgets", "8"], "budget 8 is smaller than what epikv protects"),
+    (["--max-new-tokens", "9000"], "context limit of 8192"),
+    (["--data", "/nonexistent/x.jsonl"], "does not exist"),
+])
+def test_cli_throughput_refuses_bad_inputs(tmp_path, capsys, extra, msg):
+    base = {"--policies": "full,epikv", "--budgets": "64", "--cap-mib": "4", "--data": _problems(tmp_path),
+            "--requests": "2", "--max-new-tokens": "8"}
+    for k, v in zip(extra[::2], extra[1::2]):
+        base[k] = v
+    argv = ["bench", "throughput", "--model", "random:tiny"] + [x for kv in base.items() for x in kv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""PNG plots of the speed and memory results (matplotlib, no display needed)."""
+"""PNG plots of the speed, memory and throughput results (matplotlib, no display needed)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,34 @@ def plot_memory(result: dict, path: str | Path) -> None:
     ax.set_ylabel("peak memory (GiB)")
     ax.set_title(f"memory wall: {result['model']} on {result['device']} ({result['dtype']})", fontsize=10)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_throughput(result: dict, path: str | Path) -> None:
+    """Aggregate tokens/s against batch size per policy (largest fitting batch starred), and KV memory against batch
+    size with the cap."""
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    cap_mib = result["cap_mib"]
+    for label in dict.fromkeys(p["label"] for p in result["points"]):
+        pts = sorted((p for p in result["points"] if p["label"] == label), key=lambda p: p["batch"])
+        x = [p["batch"] for p in pts]
+        line, = ax_t.plot(x, [p["aggregate_tokens_per_s"] for p in pts], marker="o", label=label)
+        top = result["search"][label]["max_batch"]
+        for p in pts:
+            if p["batch"] == top:
+                ax_t.scatter([top], [p["aggregate_tokens_per_s"]], marker="*", s=160, color=line.get_color(), zorder=3)
+        ax_m.plot(x, [p["kv_peak_bytes"] / 2**20 for p in pts], marker="o", color=line.get_color(), label=label)
+    ax_t.set_xlabel("batch size (static)"), ax_t.set_ylabel("aggregate generated tokens/s")
+    ax_t.set_title(f"throughput, {result['requests']} requests x {result['new_tokens']} tokens (star: largest batch "
+                   f"under {cap_mib:g} MiB)", fontsize=9)
+    ax_m.axhline(cap_mib, color="black", linestyle="--", linewidth=0.8, label=f"cap {cap_mib:g} MiB")
+    ax_m.set_xlabel("batch size (static)"), ax_m.set_ylabel("KV buffers, measured peak (MiB)")
+    ax_m.set_title("KV memory (attention weights of eager policies count toward the cap, not shown)", fontsize=9)
+    ax_t.legend(fontsize=8), ax_m.legend(fontsize=8)
+    fig.suptitle(f"throughput under a KV-memory cap: {result['model']} on {result['device']} ({result['dtype']}); "
+                 "static batches, forced length", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
