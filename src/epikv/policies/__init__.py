@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 
 from ..errors import EpiKVError
 from .base import CacheView, Observes, Policy, StepObservation, select_keep
@@ -38,21 +40,134 @@ REGISTRY: dict[str, type[Policy]] = {
 
 
 def policy_names() -> list[str]:
+    """Every registered policy, users' plugins included (a plugin that fails to import is reported by get_policy)."""
+    try:
+        load_policy_plugins()
+    except EpiKVError:
+        pass
     return list(REGISTRY)
 
 
 def get_policy(name: str | Policy, **settings) -> Policy:
-    """A policy instance by name, with settings overriding its defaults (None values are ignored)."""
+    """A policy instance by name, with settings overriding its defaults (None values are ignored).
+
+    A policy object is used as it is: the same object comes back, so whatever its caller attached to it stays. Its
+    settings are its fields; a setting that differs from the object's field is refused rather than silently applied
+    to a copy (set it on the object, e.g. `dataclasses.replace(policy, tau=4)`, or pass the policy by name)."""
+    given = {k: v for k, v in settings.items() if v is not None}
     if isinstance(name, Policy):
-        return dataclasses.replace(name, **{k: v for k, v in settings.items() if v is not None}) if settings else name
+        fields = {f.name for f in dataclasses.fields(name)}
+        unknown = sorted(set(given) - fields)
+        if unknown:
+            raise EpiKVError(f"policy {name.name!r} has no setting {', '.join(unknown)}; its settings: "
+                             f"{', '.join(sorted(fields))}")
+        differ = {k: v for k, v in given.items() if not _same(getattr(name, k), v)}
+        if differ:
+            have = ", ".join(f"{k}={getattr(name, k)!r}" for k in differ)
+            want = ", ".join(f"{k}={v!r}" for k, v in differ.items())
+            raise EpiKVError(f"the policy object {name.name!r} has {have}, but {want} was asked: a policy object "
+                             "keeps its own settings; set them on it (dataclasses.replace(policy, ...)) or pass "
+                             "the policy by name")
+        return name
     cls = REGISTRY.get(name)
+    if cls is None:
+        load_policy_plugins()  # a user's policy registered by a plugin module (raises if one fails to import)
+        cls = REGISTRY.get(name)
     if cls is None:
         raise EpiKVError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(k for k, v in settings.items() if v is not None and k not in fields)
+    unknown = sorted(k for k in given if k not in fields)
     if unknown:
         raise EpiKVError(f"policy {name!r} has no setting {', '.join(unknown)}; its settings: {', '.join(sorted(fields))}")
-    return cls(**{k: v for k, v in settings.items() if v is not None})
+    return cls(**given)
 
 
-__all__ = ["REGISTRY", "CacheView", "Observes", "Policy", "StepObservation", "get_policy", "policy_names", "select_keep"]
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. tensors of other shapes
+        return a is b
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # usable in comma-separated lists and POLICY.SETTING=VALUE
+
+
+def register_policy(cls: type[Policy] | None = None, *, replace: bool = False):
+    """Register a policy class under its `name`, so every entry point finds it by name: `generate(policy=...)`,
+    `EpiKVCache`, `epikv.press`, and the CLI's `--policy` (via a plugin module, see `load_policy_plugins`).
+
+    Use it as a decorator above `@dataclass`, or call it. The class must subclass `Policy`, be a dataclass whose
+    fields all have defaults, set `name`, and implement `scores` if it evicts. A name already taken by another
+    class is refused unless `replace=True` (re-running the same class definition, as in a notebook, replaces it)."""
+    if cls is None:
+        return lambda c: register_policy(c, replace=replace)
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise EpiKVError(f"register_policy expects a subclass of epikv.policies.Policy, got {cls!r}")
+    what = f"policy class {cls.__qualname__}"
+    if "__dataclass_fields__" not in cls.__dict__:
+        raise EpiKVError(f"{what} must be a @dataclass (put @register_policy above @dataclass)")
+    name = cls.name
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise EpiKVError(f"{what} needs a class attribute name = '...' (letters, digits, '-', '_'), got {name!r}")
+    if cls.evicts and cls.scores is Policy.scores:
+        raise EpiKVError(f"{what} evicts but does not implement scores(state, view)")
+    try:
+        cls()
+    except Exception as e:  # the CLI and `epikv policies` build it from its defaults
+        raise EpiKVError(f"{what} cannot be built from its defaults: {type(e).__name__}: {e}") from e
+    old = REGISTRY.get(name)
+    redefined = old is not None and (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
+    if old is not None and old is not cls and not (replace or redefined):
+        raise EpiKVError(f"policy name {name!r} is taken by {old.__module__}.{old.__qualname__}: choose another "
+                         "name, or pass replace=True")
+    REGISTRY[name] = cls
+    return cls
+
+
+PLUGIN_GROUP = "epikv.policies"
+_loaded_plugins: set[str] = set()
+
+
+def load_policy_plugins() -> None:
+    """Import the modules that register users' policies, each once per process: the entry points of group
+    `epikv.policies` (a module, or a Policy class, which is registered) and the modules or .py files named in the
+    environment variable EPIKV_POLICIES (comma-separated). This is how the CLI sees a user's policy."""
+    import importlib
+    import importlib.util
+    import os
+    from importlib.metadata import entry_points
+
+    todo: list[tuple[str, object]] = [(f"entry point {ep.name} = {ep.value}", ep)
+                                      for ep in entry_points(group=PLUGIN_GROUP)]
+    todo += [(f"EPIKV_POLICIES entry {s.strip()!r}", s.strip())
+             for s in os.environ.get("EPIKV_POLICIES", "").split(",") if s.strip()]
+    for label, src in todo:
+        if label in _loaded_plugins:
+            continue
+        try:
+            if isinstance(src, str) and src.endswith(".py"):
+                mod_name = "epikv_plugin_" + re.sub(r"\W", "_", os.path.abspath(src))
+                spec = importlib.util.spec_from_file_location(mod_name, src)
+                if spec is None or not os.path.isfile(src):
+                    raise FileNotFoundError(f"no such file {src}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module  # dataclasses look their module up while the file runs
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[mod_name]
+                    raise
+            elif isinstance(src, str):
+                importlib.import_module(src)
+            else:
+                obj = src.load()
+                if isinstance(obj, type) and issubclass(obj, Policy):
+                    register_policy(obj)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise EpiKVError(f"could not load policy plugin ({label}): {type(e).__name__}: {msg}") from e
+        _loaded_plugins.add(label)
+
+
+__all__ = ["REGISTRY", "CacheView", "Observes", "Policy", "StepObservation", "get_policy",
+           "load_policy_plugins", "policy_names", "register_policy", "select_keep"]
