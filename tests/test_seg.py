@@ -225,24 +225,26 @@ def test_seg_compacts_to_fewer_than_budget(tiny):
 # -- value reserve -----------------------------------------------------------------------------------------------------
 
 def test_value_reserve_keeps_top_values_and_displaces_lowest_scored():
-    n, budget, prot, recent = 14, 9, 2, 2
+    n, prot, recent, n_res = 14, 2, 2, 3
+    budget = prot + recent + 4  # 3 reserved + the best-scored other one
     g = torch.Generator().manual_seed(4)
     score = torch.randn(1, n, generator=g)
+    score[0, :prot] = score[0, n - recent :] = -10.0  # protected slots rank lowest: the middle holds the top ranks
     values = [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)]
-    low = [prot + int(i) for i in score[0, prot : n - recent].argsort()[:2]]
-    for v in values:  # the two lowest-scored evictable slots get the largest value spread
+    low = [prot + int(i) for i in score[0, prot : n - recent].argsort()[:n_res]]
+    for v in values:  # the lowest-scored evictable slots get the largest value spread
         v[0, :, low] *= 10
     view = _view(n, budget, recent, n_protect=prot, token_data={"score": score}, values=values)
     plain = set(select_keep(get_policy("epikv").scores(None, view), view)[0].tolist())
-    pol = get_policy("epikv", reserve=2)
+    pol = get_policy("epikv", reserve=n_res)
     assert pol.observes(32).keys_values and not get_policy("epikv").observes(32).keys_values
     keep = select_keep(pol.scores(None, view), view)[0].tolist()
     assert len(keep) == budget  # still exactly K
     val = slot_statistic(values, "range", torch.device("cpu"))[0]
     mid = list(range(prot, n - recent))
-    reserved = set(sorted(mid, key=lambda i: -val[i].item())[:2])
+    reserved = set(sorted(mid, key=lambda i: -val[i].item())[:n_res])
     others = [i for i in mid if i not in reserved]
-    by_score = sorted(others, key=lambda i: -score[0, i].item())[: budget - prot - recent - 2]
+    by_score = sorted(others, key=lambda i: -score[0, i].item())[: budget - prot - recent - n_res]
     assert set(keep) == set(range(prot)) | reserved | set(by_score) | set(range(n - recent, n))
     assert reserved == set(low) and not reserved & plain  # the reserve changed the keep set here
     with pytest.raises(EpiKVError, match="reserve_stat"):

@@ -126,6 +126,13 @@ class EpiKVSeg(EpiKVFlat):
     decode slots are a multiple of tau; "steps" when over K and tau slots were stored since the last eviction;
     "every" when over K + tau - 1. Every rule also evicts above K + tau - 1 (a multi-token chunk can step over a
     multiple of tau). Padded batches: padding counts like prompt; rows are topped up to the longest row's count.
+
+    Choices where METHOD.md leaves one open: "decode slots" are the slots after the protected prefix (the prompt; with
+    protect_prompt off, prompt slots after the sinks count as decode slots); "steps" counts slots stored since the last
+    eviction (decode tokens before the first); segments start at the row's first real slot (left padding is in no
+    segment); the caps and the value swap use the ranking score with NaN lowest; the swap only trades among decode
+    slots outside the recency window and runs after the fill; a segment statistic is computed from the keys as
+    stored at the eviction (keys never change, so it equals one computed at arrival).
     """
 
     tau: int = 128

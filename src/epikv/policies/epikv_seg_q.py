@@ -53,6 +53,12 @@ class EpiKVSegQ(EpiKVSeg):
     included; sample std + 1e-6). mode "replace" (shipped): that z-score ranks the tier pass, the fill and any swap;
     "add": z(HS score) + weight * z(relevance), both z-scored the same way. Reads q.K for 8 queries of one layer, so
     it is not attention-free, but no attention matrix is materialised: SDPA / FlashAttention stay on.
+
+    Choices where METHOD.md leaves one open: the queries are recomputed by a pre-hook on block A+1's attention at
+    every forward (one q_proj row per token; block A+1's attention input is exactly layernorm(block A's output),
+    q_norm included on Qwen3), the relevance only at eviction; the causal mask is by true position, so it stays
+    right when some of the 8 query tokens were evicted (recent < 8 or tau < 8); before 8 decode tokens exist the
+    newest prompt tokens fill the window; the z-score spans every decode slot, recency window included.
     """
 
     rule: str = "steps"
