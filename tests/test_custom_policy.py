@@ -194,3 +194,15 @@ def test_broken_plugin_is_one_line_error(tmp_path, monkeypatch, capsys, registry
                "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "test-nowhere" in err
+
+
+def test_readme_example_runs(tiny, registry):
+    """The README's "Your own policy" example, as written, registers a policy that evicts."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = text.split("### Your own policy", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    code = code.replace('"..."', repr(PROMPT)).replace("budget=256)", "budget=16, max_new_tokens=24, eos_token_ids=[])")
+    env = {"lm": tiny, "generate": generate}
+    exec(compile(code, "README.md", "exec"), env)
+    assert REGISTRY["loud"] is env["Loud"] and env["res"].stats["evictions"] > 0
