@@ -101,7 +101,7 @@ def test_cache_bound(tiny, tau, policy):
         for t in range(8, 120):
             before = dec.cache.evictions
             dec.step(ids[:, t : t + 1])
-            n = dec.cache.get_seq_length()
+            n = dec.cache.stored_length()
             lengths.append(n)
             assert n <= budget + tau - 1
             if dec.cache.evictions > before:
@@ -173,7 +173,7 @@ def test_padded_batch_with_interval(tiny):
         d.prefill(torch.tensor([[0] * p + r for p, r in zip(pad, rows)]), pad)
         for t in range(30):
             d.step(torch.tensor([[100 + t], [200 + t]]))
-            assert d.cache.get_seq_length() <= 20
+            assert d.cache.stored_length() <= 20
     assert d.cache.n_pad.tolist() == [0, 0]
     pos = d.cache.token_data["pos"]
     for i, r in enumerate(rows):  # protected prompt, then own decode positions, strictly increasing
@@ -261,14 +261,16 @@ def test_drop_in_cache_matches_engine(tiny):
         res = generate(tiny.model, tok, PROMPTS[0], policy=policy, budget=20, tau=tau, max_new_tokens=40,
                        eos_token_ids=[])
         assert out[0, enc.input_ids.shape[1]:].tolist() == res.token_ids[0]
-        assert cache.evictions > 0 and cache.get_seq_length() <= 20 + tau - 1
+        assert cache.evictions > 0 and cache.stored_length() <= 20 + tau - 1
 
 
-def test_drop_in_refuses_padded_batch(tiny):
+def test_drop_in_refuses_right_padding(tiny):
+    """Left-padded batches work in model.generate (tests/test_dropin.py); right padding is refused."""
     tok = tiny.tokenizer
-    tok.padding_side = "left"
+    tok.padding_side = "right"
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    with pytest.raises(EpiKVError, match="padded batches"):
+    tok.padding_side = "left"
+    with pytest.raises(EpiKVError, match="left padding only"):
         tiny.model.generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id,
                             **{cache_kwarg(tiny.model): EpiKVCache(tiny.model, "epikv", budget=64)})
 

@@ -30,7 +30,8 @@ class BufferLayer(DynamicLayer):
     def __init__(self, capacity: int = 256) -> None:
         super().__init__()
         self.capacity_hint = max(1, capacity)
-        self.length = 0
+        self.length = 0  # stored slots (what attention reads)
+        self.cumulative = 0  # tokens written since the start, evicted ones included (what generate() counts)
         self.off = 0  # first used slot: eviction may shift the kept run right instead of moving the tail left
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
@@ -73,11 +74,28 @@ class BufferLayer(DynamicLayer):
         self._kbuf[:, :, end : end + t].copy_(key_states)
         self._vbuf[:, :, end : end + t].copy_(value_states)
         self.length = need
+        self.cumulative += t
         self._refresh_views()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length
+        """Tokens seen, as in transformers' sliding-window layers: generate() slices the input ids by it, so a
+        second turn feeds only the unseen suffix. The stored length is `length`."""
+        return self.cumulative
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        """(kv_length, kv_offset): attention reads the stored slots plus the new tokens; the offset puts them right
+        before the queries (at tokens seen), so the causal mask holds. query_length is an int (transformers >= 5.?)
+        or the cache_position tensor (older versions)."""
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.length + q, self.cumulative - self.length
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """Keep / reorder / repeat batch rows: idx [new_batch] row indices."""
+        if self._kbuf is not None:
+            idx = idx.to(self._kbuf.device)
+            self._kbuf, self._vbuf = self._kbuf.index_select(0, idx), self._vbuf.index_select(0, idx)
+            self._refresh_views()
 
     def compact(self, keep: torch.Tensor, target_capacity: int, start: int = 0, still: int = 0) -> None:
         """Keep the slots `keep` ([batch, K] for every head, or [batch, kv_heads, K]) in this order.
@@ -113,7 +131,7 @@ class BufferLayer(DynamicLayer):
         self._refresh_views()
 
     def reset(self) -> None:
-        self.length = self.off = 0
+        self.length = self.off = self.cumulative = 0
         self._kbuf = self._vbuf = None
         self.keys = self.values = None
         self.is_initialized = False
@@ -122,7 +140,8 @@ class BufferLayer(DynamicLayer):
         raise EpiKVError("an evicting cache cannot be cropped (assisted or speculative decoding is not supported)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise EpiKVError("beam search and num_return_sequences > 1 are not supported with an evicting cache")
+        raise EpiKVError("reorder rows through the EpiKVCache (reorder_cache, batch_select_indices, "
+                         "batch_repeat_interleave), which keeps the per-row policy data aligned with the layers")
 
     batch_select_indices = reorder_cache = batch_repeat_interleave
 
@@ -137,6 +156,38 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             return x.index_select(2, idx[0, 0])
         return x[torch.arange(b, device=x.device)[:, None], :, idx[:, 0]].transpose(1, 2)  # [b, m, h, d] -> [b, h, m, d]
     return x[torch.arange(b, device=x.device)[:, None, None], torch.arange(h, device=x.device)[None, :, None], idx]
+
+
+def select_state_rows(obj: Any, idx: torch.Tensor, batch: int, _seen: set | None = None) -> Any:
+    """A policy state with its rows selected by idx, as Policy.init_state's contract says: every tensor whose dim 0
+    is the batch, reached through dicts, lists, tuples, dataclasses and plain objects, except under keys or
+    attributes starting with an underscore. Containers are updated in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.index_select(0, idx.to(obj.device)) if obj.dim() and obj.shape[0] == batch else obj
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool, type, torch.nn.Module, torch.Generator)):
+        return obj
+    _seen = set() if _seen is None else _seen
+    if id(obj) in _seen:
+        return obj
+    _seen.add(id(obj))
+    sub = lambda v: select_state_rows(v, idx, batch, _seen)  # noqa: E731
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not str(k).startswith("_"):
+                obj[k] = sub(v)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [sub(v) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        vals = [sub(v) for v in obj]
+        return type(obj)(*vals) if hasattr(obj, "_fields") else type(obj)(vals)
+    attrs = getattr(obj, "__dict__", None)
+    if attrs is not None and not callable(obj):
+        for k, v in list(attrs.items()):
+            if not k.startswith("_"):
+                object.__setattr__(obj, k, sub(v))
+    return obj
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -203,6 +254,7 @@ def _query_hook(layer_idx: int):
         q, _ = rope(q, q, cos[:, -q.shape[2]:], sin[:, -q.shape[2]:])
         old = cache._queries.get(layer_idx)
         cache._queries[layer_idx] = q if old is None else torch.cat([old, q], dim=2)[:, :, -w:]
+        cache._queries_fresh.add(layer_idx)
 
     return hook
 
@@ -213,10 +265,17 @@ def _llama_rope(q, k, cos, sin):
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
+def _before_stack_hook(module, args, kwargs):
+    cache = _cache_from(kwargs)
+    if isinstance(cache, EpiKVCache):
+        return args, cache._before_forward(args, kwargs)
+    return None
+
+
 def _after_stack_hook(module, args, kwargs, output):
     cache = _cache_from(kwargs)
     if isinstance(cache, EpiKVCache):
-        cache._after_forward(kwargs.get("position_ids"), kwargs.get("attention_mask"))
+        cache._after_forward()
 
 
 def _install_hook(module: torch.nn.Module, key: str, hook) -> None:
@@ -224,7 +283,7 @@ def _install_hook(module: torch.nn.Module, key: str, hook) -> None:
     hold no reference to any cache and stay inert for other caches or plain calls."""
     handles = module.__dict__.setdefault("_epikv_hooks", {})
     if key not in handles:
-        if key == "query":  # runs before attention, on the layer's inputs
+        if key in ("query", "before"):  # runs before the module, on its inputs
             handles[key] = module.register_forward_pre_hook(hook, with_kwargs=True)
         else:
             handles[key] = module.register_forward_hook(hook, with_kwargs=True)
@@ -233,8 +292,11 @@ def _install_hook(module: torch.nn.Module, key: str, hook) -> None:
 class EpiKVCache(Cache):
     """A KV cache that keeps at most `budget` tokens per sequence by evicting with a policy.
 
-    Drop-in for `model.generate(..., past_key_values=EpiKVCache(model, policy="epikv", budget=1024))` (batch 1 or
-    unpadded batches), and the cache behind `epikv.generate`, which also handles left-padded batches.
+    Drop-in for `model.generate(..., cache=EpiKVCache(model, policy="epikv", budget=1024))` (`past_key_values=`
+    before transformers 5.24), and the cache behind `epikv.generate`. In model.generate: left-padded batches (the
+    padding is read from the first forward's attention mask), beam search and num_return_sequences (rows reordered
+    with their policy state), later turns (`get_seq_length()` counts tokens seen, so generate feeds only the unseen
+    suffix at its true positions; `stored_length()` is what is stored) and `copy.deepcopy` to fork a conversation.
     Between two steps the cache holds at most budget + tau - 1 tokens, exactly budget after each eviction.
     """
 
@@ -283,7 +345,10 @@ class EpiKVCache(Cache):
             check_layers(obs.query_layers, self.n_layers)
             for l in sorted(self._query_layers):
                 _install_hook(layers[l].self_attn, "query", _query_hook(l))
+        _install_hook(model.model, "before", _before_stack_hook)
         _install_hook(model.model, "after", _after_stack_hook)
+        self._open = False  # a forward the hooks saw is running: only then may layers be written
+        self._queries_fresh: set[int] = set()  # layers whose queries this forward recomputed
         self._hidden: dict[int, torch.Tensor] = {}
         self._attn: dict[int, torch.Tensor] = {}
         self._queries: dict[int, torch.Tensor] = {}  # layer -> [batch, heads, <= w, head_dim]
@@ -359,27 +424,91 @@ class EpiKVCache(Cache):
         self._pending = (valid, pos)
         if not self._padded:
             return None, pos
-        n = self.get_seq_length()
+        return self._padding_mask(valid), pos
+
+    def _padding_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """The 2D mask [batch, seen + T] laid out as transformers reads it: get_mask_sizes puts the stored slots at
+        columns seen - stored ... seen - 1 and the T new tokens after them (the columns before, evicted tokens, are
+        never read). Padding stays a prefix of each row's stored slots, so that part comes from n_pad."""
+        layer = self.layers[0]  # the layer transformers sizes the mask by (padded batches: all layers alike)
+        n = layer.length
+        gone = valid.new_ones(valid.shape[0], layer.cumulative - n)
         stored = torch.arange(n, device=self.home)[None, :] >= self.n_pad[:, None]
-        return torch.cat([stored, valid], dim=1).long(), pos
+        return torch.cat([gone, stored, valid], dim=1).long()
 
     # -- the step ----------------------------------------------------------------------------------------------------
-    def _after_forward(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> None:
-        t = self.layers[self._ref].length - self._stored_after_step  # tokens this forward appended
-        if self._pending is not None:
-            valid, pos = self._pending
-            self._pending = None
-        else:  # model.generate: every token real, positions as generate passed them
-            if self.n_pad is None:
-                b = position_ids.shape[0] if position_ids is not None else 1
-                if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-                    # generate() keeps its own full-length mask, which cannot follow our compaction
-                    raise EpiKVError("padded batches cannot use EpiKVCache inside model.generate: use "
-                                     "epikv.generate, which compacts the padding mask with the cache")
-                self.begin([t] * b)
-            valid = torch.ones(self.n_pad.shape[0], t, dtype=torch.bool, device=self.home)
-            pos = position_ids.to(self.home) if position_ids is not None else self.seen[:, None] + torch.arange(t, device=self.home)
-            pos = pos.expand(valid.shape[0], -1)
+    def _before_forward(self, args: tuple, kwargs: dict) -> dict:
+        """Runs before the decoder stack of every forward that passes this cache by keyword. A forward the engine
+        prepared keeps its mask and positions; any other (model.generate, a direct call) gets them here: the
+        padding (left only) is read from its 2D mask on the first forward, the mask is replaced by one that follows
+        the compacted cache, and position ids, when absent, are the true positions."""
+        if self._open:
+            raise EpiKVError("an earlier forward with this EpiKVCache stopped midway (an exception inside the model), "
+                             "so its layers may disagree: start a new cache")
+        if self._pending is None:
+            kwargs = self._plain_forward(args, kwargs)
+        self._open = True
+        self._queries_fresh = set()
+        return kwargs
+
+    def _plain_forward(self, args: tuple, kwargs: dict) -> dict:
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args:
+            x = args[0]
+        b, t = x.shape[0], x.shape[1]
+        mask = kwargs.get("attention_mask")
+        is_2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        if is_2d:  # generate()'s mask covers every column so far; the new tokens are its last t
+            valid = mask[:, -t:].to(device=self.home, dtype=torch.bool)
+        else:
+            valid = torch.ones(b, t, dtype=torch.bool, device=self.home)
+        if self.n_pad is None:  # first forward: the prompt, possibly left-padded
+            n_pad = t - valid.sum(-1)
+            if is_2d and not bool((valid == (torch.arange(t, device=self.home)[None, :] >= n_pad[:, None])).all()):
+                raise EpiKVError("EpiKVCache supports left padding only: each row of the attention mask must be "
+                                 "zeros, then ones (set tokenizer.padding_side = 'left')")
+            self.begin((t - n_pad).tolist(), n_pad.tolist())
+        elif b != self.n_pad.shape[0]:
+            raise EpiKVError(f"this EpiKVCache holds {self.n_pad.shape[0]} sequences but the forward feeds {b}: "
+                             "select or repeat its rows first (cache.batch_select_indices, "
+                             "cache.batch_repeat_interleave)")
+        elif is_2d and t > 1 and not bool(valid.all()):  # (a single new token: generate's mask always ends in 1)
+            raise EpiKVError("only the first forward over an EpiKVCache may hold padding (a left-padded prompt): "
+                             "the new tokens of a later turn must all be real")
+        new_mask, pos = self.prepare(valid)
+        given = kwargs.get("position_ids")
+        if given is not None:  # the caller's positions (generate derives the true ones from its mask)
+            self._pending = (valid, given.to(self.home).expand(b, -1))
+        else:
+            kwargs["position_ids"] = pos.to(x.device)
+        if mask is None or is_2d:
+            kwargs["attention_mask"] = None if new_mask is None else new_mask.to(x.device)
+        return kwargs
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not self._open:
+            raise EpiKVError("EpiKVCache was written by a forward its hooks did not see (the cache passed "
+                             "positionally, or under a name other than cache / past_key_values): eviction and true "
+                             "positions would silently stop; pass it by keyword to the model")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _after_forward(self) -> None:
+        self._open = False
+        valid, pos = self._pending
+        self._pending = None
+        t = valid.shape[1]
+        if self.layers[self._ref].length - self._stored_after_step != t:
+            raise EpiKVError(f"the forward fed {t} tokens but layer {self._ref} of the cache received "
+                             f"{self.layers[self._ref].length - self._stored_after_step}")
+        missing = (self._capture_hidden - self._hidden.keys()) | (self._capture_attn - self._attn.keys())
+        if self._n_queries:
+            missing |= self._query_layers - self._queries_fresh
+        if missing:
+            raise EpiKVError(f"the hooks on decoder blocks {sorted(missing)} did not find the cache in their keyword "
+                             f"arguments, so {self.policy.name} cannot observe them (a model that passes it under "
+                             "another name is not supported)")
         if self._n_queries:
             qv = valid if self._query_valid is None else torch.cat([self._query_valid, valid], dim=1)
             self._query_valid = qv[:, -self._n_queries:]
@@ -454,8 +583,8 @@ class EpiKVCache(Cache):
         a prefix reused by many continuations (occlusion windows, teacher forcing) costs one pass over it."""
         if other.evictions:
             raise EpiKVError("cannot fork a cache that has evicted: its slots are no longer positions")
-        if not 1 <= n_tokens <= other.get_seq_length():
-            raise EpiKVError(f"prefix of {n_tokens} tokens is outside the {other.get_seq_length()} stored")
+        if not 1 <= n_tokens <= other.stored_length():
+            raise EpiKVError(f"prefix of {n_tokens} tokens is outside the {other.stored_length()} stored")
         batch = other.n_pad.shape[0]
         self.begin([n_tokens] * batch)
         for src, dst in zip(other.layers, self.layers):
@@ -467,7 +596,42 @@ class EpiKVCache(Cache):
 
     # -- Cache API ---------------------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].length
+        """Tokens seen (columns fed, padding included), what transformers' generate() and position logic expect;
+        after an eviction more than are stored (`stored_length`)."""
+        return self.layers[layer_idx].get_seq_length()
+
+    def stored_length(self) -> int:
+        """Tokens stored per sequence now (at most budget + tau - 1 between steps)."""
+        return self.layers[self._ref].length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i becomes row beam_idx[i], in the layers and in every per-row datum (policy state,
+        token data, positions, padding)."""
+        self._select_rows(torch.as_tensor(beam_idx))
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the rows `indices` (indices or a bool mask), in that order."""
+        idx = torch.as_tensor(indices)
+        self._select_rows(idx.nonzero().squeeze(-1) if idx.dtype == torch.bool else idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row `repeats` times in a row (num_return_sequences, or one prefix for several continuations)."""
+        if self.n_pad is not None:
+            self._select_rows(torch.arange(self.n_pad.shape[0]).repeat_interleave(repeats))
+
+    def _select_rows(self, idx: torch.Tensor) -> None:
+        if self.n_pad is None:  # nothing fed yet: no rows to move
+            return
+        batch = self.n_pad.shape[0]
+        idx = idx.to(self.home, torch.long)
+        for layer in self.layers:
+            layer.select_rows(idx)
+        self.token_data = {k: v.index_select(0, idx.to(v.device)) for k, v in self.token_data.items()}
+        self.n_pad, self.n_protect, self.seen = (x.index_select(0, idx) for x in (self.n_pad, self.n_protect, self.seen))
+        self._queries = {l: q.index_select(0, idx.to(q.device)) for l, q in self._queries.items()}
+        if self._query_valid is not None:
+            self._query_valid = self._query_valid.index_select(0, idx)
+        self.state = select_state_rows(self.state, idx, batch)
 
     def stats(self) -> dict[str, Any]:
         return {"max_cache_tokens": self.max_tokens, "final_cache_tokens": self.layers[self._ref].length,

@@ -104,7 +104,7 @@ class _Run:
             dt = time.perf_counter() - t0
         self.next = nxt
         self.times.append(dt / steps)
-        self.lengths.append(self.dec.cache.get_seq_length())
+        self.lengths.append(self.dec.cache.stored_length())
 
     def summary(self) -> dict:
         med = statistics.median(self.times)
@@ -201,7 +201,7 @@ def long_generation(model, policy: str, budget: int, lengths: list[int], tau: in
             kv = sum(kv_bytes(l) for l in dec.cache.layers)
             p = {"policy": policy, "budget": budget if pol.evicts else None, "tau": pol.tau if pol.evicts else None,
                  "generated": target, "segment_tokens_per_s": (target - done) / (now - t_prev),
-                 "tokens_per_s": target / (now - t_start), "cache_length": dec.cache.get_seq_length(),
+                 "tokens_per_s": target / (now - t_start), "cache_length": dec.cache.stored_length(),
                  "kv_buffer_mib": kv / 2**20, **(memory() if memory else {})}
             points.append(p)
             if on_point:

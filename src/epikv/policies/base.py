@@ -108,7 +108,12 @@ class Policy:
 
     # -- hooks -----------------------------------------------------------------------------------------------------
     def init_state(self, batch: int, n_layers: int, device: torch.device) -> Any:
-        """Fresh per-generation state (no state lives on the policy object itself)."""
+        """Fresh per-generation state (no state lives on the policy object itself).
+
+        Rows contract (beam search, num_return_sequences, batch selection reorder the cache's rows): every tensor in
+        the state whose dim 0 has the batch size is per-row and is reordered with the rows (found through dicts,
+        lists, tuples, dataclasses and plain objects); keep row-independent tensors under a key or attribute that
+        starts with an underscore, which is never reordered."""
         return None
 
     def on_tokens(self, state: Any, obs: StepObservation) -> dict[str, torch.Tensor]:

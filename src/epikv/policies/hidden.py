@@ -36,7 +36,6 @@ class HiddenStatePolicy(Policy):
 
         check_stat(self.name, "reserve_stat", self.reserve_stat)
 
-
     def channels(self, n_layers: int) -> list[tuple[int, ...]]:
         """Groups of decoder blocks; each channel is the mean of g over its blocks."""
         raise NotImplementedError
@@ -54,18 +53,18 @@ class HiddenStatePolicy(Policy):
         for ch in chans:
             check_layers(ch, n_layers)
         used = sorted({l for ch in chans for l in ch})
-        # [channels, layers]: averaging matrix from per-layer g to per-channel g
+        # [channels, layers]: averaging matrix from per-layer g to per-channel g ("_": shared by rows, never reordered)
         avg = torch.zeros(len(chans), len(used), device=device)
         for c, ch in enumerate(chans):
             for l in ch:
                 avg[c, used.index(l)] = 1.0 / len(ch)
-        return {"used": used, "avg": avg, "delta": HiddenDelta(), "stats": RollingStats(self.window, self.eps)}
+        return {"used": used, "_avg": avg, "delta": HiddenDelta(), "stats": RollingStats(self.window, self.eps)}
 
     def on_tokens(self, state: Any, obs: StepObservation) -> dict[str, torch.Tensor]:
         dev = obs.valid.device
         h = torch.stack([obs.hidden[l].to(dev) for l in state["used"]], dim=1)  # [batch, layers, T, dim]
         g_layers, g_valid = state["delta"].update(h, obs.valid)  # [batch, layers, T]
-        g = torch.einsum("cl,blt->bct", state["avg"], g_layers)  # [batch, channels, T]
+        g = torch.einsum("cl,blt->bct", state["_avg"], g_layers)  # [batch, channels, T]
         score = self.combine(g, state["stats"], g_valid)
         return {"score": torch.where(obs.valid, score, torch.zeros_like(score))}
 
@@ -92,8 +91,6 @@ def reserve_priority(score: torch.Tensor, view: CacheView, n_reserve: int, stat:
     reserved = torch.zeros_like(evictable).scatter_(-1, top.indices, torch.isfinite(top.values))
     vrank = torch.empty_like(pr).scatter_(-1, val.argsort(-1), ar)
     return torch.where(reserved, n + vrank, rank)
-
-
 
 
 def default_pair(n_layers: int) -> tuple[int, int]:
