@@ -381,3 +381,15 @@ def test_lag_kv_key_scores_keys_only():
     torch.testing.assert_close(got, lag_normalised_spread((keys[0] + keys[1]) / 2, 8))
     both = get_policy("lag-kv", lag=8).scores(None, view)
     torch.testing.assert_close(both - got, lag_normalised_spread((values[0] + values[1]) / 2, 8))
+
+
+@pytest.mark.parametrize("name, settings", [("epikv", {"reserve": 2}), ("epikv-seg", {"swap": 2, "fill": True}),
+                                            ("epikv-seg-q", {"mode": "add", "swap": 1})])
+def test_settings_run_on_a_padded_batch(tiny, name, settings):
+    """The options run end to end on a left-padded batch at tau 1, within budget, rows of equal length."""
+    from epikv.engine import generate
+
+    r = generate(tiny.model, tiny.tokenizer, ["hi there", "one two three four five six seven"], policy=name,
+                 budget=12, tau=1, max_new_tokens=20, **settings)
+    assert all(len(t) == 20 for t in r.token_ids)
+    assert r.stats["evictions"] >= 1 and r.stats["max_cache_tokens"] <= 12
