@@ -3,6 +3,7 @@ kill-and-resume, reports."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,3 +186,86 @@ def test_kill_and_resume(tmp_path):
     final = read_records(out)
     keys = [(r["id"], r["policy"], r["budget"], r["sample"]) for r in final]
     assert len(keys) == len(set(keys)) == 8 * 2 * 2
+
+
+def test_two_processes_share_one_folder(tmp_path):
+    """Two `epikv eval` processes started together on one folder: every cell exactly once (issue 11.10: it was
+    12 records for 6 cells)."""
+    data = _dataset(tmp_path / "mini.jsonl", n=6)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "epikv.cli", *_args(data, out, "--max-new-tokens", "24", "--threads", "1")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    keys = [(r["id"], r["policy"], r["budget"], r["sample"]) for r in read_records(out)]
+    assert len(keys) == len(set(keys)) == 6 * 2 * 2
+    ran = [int(m) for log in logs for m in re.findall(r": (\d+) generations", log)]
+    assert sum(ran) == 24, logs  # the work was split, not done twice (a process that found all done prints none)
+    assert not list((out / ".epikv-claims").iterdir())
+
+
+def test_same_configuration_written_differently_is_accepted(tmp_path, capsys):
+    """`--tau 1` is epikv's default; `gsm8k` from a data folder and the same file by path are one dataset."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    data = _dataset(folder / "gsm8k_test.jsonl", n=3)
+    out = tmp_path / "run"
+    named = ["--dataset", "gsm8k", "--data-dir", str(folder)]
+    argv = _args(data, out, budgets="48", policies="epikv")
+    argv[argv.index("--dataset"): argv.index("--dataset") + 2] = named
+    assert main(argv) == 0
+    assert main(_args(data, out, "--tau", "1", budgets="48", policies="epikv")) == 0  # by path, tau written out
+    assert "every cell is already done" in capsys.readouterr().out
+    recs = read_records(out)
+    assert len(recs) == 3 and {r["dataset"] for r in recs} == {"gsm8k"}
+    assert main(_args(data, out, "--tau", "2", budgets="48", policies="epikv")) == 2  # really different
+    assert "epikv.tau" in capsys.readouterr().err
+    other = _dataset(tmp_path / "other.jsonl", n=3)
+    assert main(_args(other, out, budgets="48", policies="epikv")) == 2  # another dataset
+    assert "dataset" in capsys.readouterr().err
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EPIKV_PROGRESS_SECONDS", "0")  # a line per batch instead of every 20 s
+    args = [a for a in _args(data, tmp_path / "run", budgets="48", policies="epikv") if a != "--quiet"]
+    assert main(args + ["--limit", "3"]) == 0
+    lines = re.findall(r"^eval: .*$", capsys.readouterr().err, re.M)  # capsys: stderr is not a TTY
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3", "3/3"]
+    assert re.match(r"eval: 1/3 cells, \d+ s elapsed, ~\d+ s left \(epikv K=48 s0, acc \d+\.\d%\)", lines[0])
+    assert main(args + ["--limit", "4"]) == 0  # resumed: the count includes what was done before
+    assert re.findall(r"^eval: (\S+)", capsys.readouterr().err, re.M) == ["4/4", "4/4"]
+
+
+def test_report_never_modifies_a_folder_being_written(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(data, out, budgets="48", policies="epikv")) == 0
+    path = out / "records.jsonl"
+    with path.open("ab") as f:
+        f.write(b'{"id": "p9", "policy": "epikv", "budg')  # a writer in the middle of a record
+    raw = path.read_bytes()
+    assert main(["report", str(out), "--out", str(tmp_path / "rep")]) == 0
+    assert path.read_bytes() == raw
+    assert "| epikv | 48 | 6 |" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_memory_is_measured_per_run(data, tmp_path):
+    """Each record's memory is its own batch's: a later, smaller run reports less (not the process's high water)."""
+    import torch
+
+    from epikv.measure import RunPeak
+
+    out = tmp_path / "run"
+    assert main(_args(data, out, budgets="48", policies="epikv")) == 0
+    assert main(_args(data, out, budgets="44,48", policies="epikv")) == 0  # K=44 runs after K=48
+    recs = read_records(out)
+    kv = {k: {r["kv_cache_peak_bytes"] for r in recs if r["budget"] == k} for k in (44, 48)}
+    assert max(kv[44]) < min(kv[48])
+    assert {r["peak_memory_kind"] for r in recs} == {"process_rss_sampled"}
+    with RunPeak("cpu") as big:
+        x = torch.ones(64 * 2**20)  # 256 MiB
+        del x
+    with RunPeak("cpu") as small:
+        torch.ones(1024).sum()
+    assert small.bytes < big.bytes - 128 * 2**20

@@ -50,6 +50,7 @@ class Progress:
         self.ran = 0  # items this process ran
         self.status = ""
         self.quiet = quiet
+        self._printed = False
         self.t0 = time.monotonic()
         self.interval = default_interval() if interval is None else interval
         self._lock = threading.Lock()
@@ -67,8 +68,7 @@ class Progress:
                 self._bar = tqdm(total=total, initial=done, unit=unit.rstrip("s") or unit, desc=label,
                                  file=self.stream, dynamic_ncols=True)
             return
-        self._emit()
-        if self.interval > 0:
+        if self.interval > 0:  # the first line after `interval` seconds: short runs and early errors stay quiet
             self._thread = threading.Thread(target=self._beat, name=f"progress-{label}", daemon=True)
             self._thread.start()
 
@@ -91,11 +91,15 @@ class Progress:
 
     def _emit(self) -> None:
         print(self.line(), file=self.stream, flush=True)
+        self._printed = True
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
             with self._lock:
-                self._emit()
+                try:
+                    self._emit()
+                except (OSError, ValueError):  # the stream is gone (closed pipe, finished test capture)
+                    return
 
     def set_status(self, text: str) -> None:
         self.status = text
@@ -138,8 +142,9 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.plain and not getattr(self, "_closed", False):
-            self._emit()
+        elif self.plain and not getattr(self, "_closed", False) and (self._printed or self.ran):
+            with self._lock:
+                self._emit()  # the final count, when anything was reported or run
         self._closed = True
 
     def __enter__(self):

@@ -45,9 +45,10 @@ _HELD_MUTEX = threading.Lock()
 
 
 # -- reading (never modifies anything) ----------------------------------------------------------------------------------
-def _parse(raw: bytes, where: str, final: bool) -> tuple[list[dict], int]:
+def _parse(raw: bytes, where: str, final: bool, strict: bool = True) -> tuple[list[dict], int]:
     """Records of the complete lines of `raw`, and how many bytes they span (up to the last newline). With `final`,
-    an unterminated last line that parses is a record too (a torn one is ignored)."""
+    an unterminated last line that parses is a record too (a torn one is ignored). A malformed complete line is an
+    error, or skipped when not `strict`."""
     records = []
     end = raw.rfind(b"\n") + 1
     for i, line in enumerate(raw[:end].split(b"\n")[:-1], 1):
@@ -56,6 +57,8 @@ def _parse(raw: bytes, where: str, final: bool) -> tuple[list[dict], int]:
         try:
             records.append(json.loads(line))
         except (json.JSONDecodeError, UnicodeDecodeError):
+            if not strict:
+                continue
             raise EpiKVError(f"{where}: malformed record at line {i} (not the last line: not a torn write); "
                              "fix or move the file") from None
     if final and end < len(raw) and raw[end:].strip():
@@ -66,14 +69,15 @@ def _parse(raw: bytes, where: str, final: bool) -> tuple[list[dict], int]:
     return records, end
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """Every complete record of one JSONL file ([] if it does not exist). Never writes."""
+def read_records(path: str | Path, strict: bool = True) -> list[dict]:
+    """Every complete record of one JSONL file ([] if it does not exist). Never writes. `strict=False` skips
+    malformed lines anywhere (journals written before these rules may hold a torn line glued to the next)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return []
-    return _parse(raw, str(path), final=True)[0]
+    return _parse(raw, str(path), final=True, strict=strict)[0]
 
 
 class Tail:

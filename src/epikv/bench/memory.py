@@ -203,20 +203,19 @@ class Journal:
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path else None
         self.done: dict[str, dict] = {}
-        if self.path and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
+        if self.path:
+            from ..store import read_records  # the shared JSONL rules (epikv.store); never modifies the file
+
+            for rec in read_records(self.path, strict=False):  # strict=False: older journals' glued torn lines
+                if isinstance(rec, dict) and "key" in rec:
                     self.done[rec["key"]] = rec
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut by a killed run
 
     def add(self, rec: dict) -> None:
         self.done[rec["key"]] = rec
         if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            from ..store import append_record
+
+            append_record(self.path, rec)  # torn tail repaired first; flushed and fsynced
 
 
 def run_memory(model_name: str, lengths: list[int], cap_gib: float | None, device: str = "cpu",

@@ -18,6 +18,7 @@ import torch
 
 from ..engine import Decoder, attention_for
 from ..errors import EpiKVError
+from ..measure import kv_bytes_per_token
 from ..policies import REGISTRY, Policy, get_policy
 
 EPIKV = "epikv"
@@ -202,7 +203,10 @@ def long_generation(model, policy: str, budget: int, lengths: list[int], tau: in
             p = {"policy": policy, "budget": budget if pol.evicts else None, "tau": pol.tau if pol.evicts else None,
                  "generated": target, "segment_tokens_per_s": (target - done) / (now - t_prev),
                  "tokens_per_s": target / (now - t_start), "cache_length": dec.cache.stored_length(),
-                 "kv_buffer_mib": kv / 2**20, **(memory() if memory else {})}
+                 "kv_buffer_mib": kv / 2**20,
+                 # this run's own KV peak (peak stored tokens x bytes per token), unlike a process's RSS high water
+                 "kv_cache_peak_mib": dec.cache.stats()["max_cache_tokens"] * kv_bytes_per_token(model) / 2**20,
+                 **(memory() if memory else {})}
             points.append(p)
             if on_point:
                 on_point(p)

@@ -14,7 +14,8 @@ from .records import cell_key, read_config, read_records
 
 COLUMNS = ["dataset", "model", "protocol", "policy", "budget", "problems", "generations", "accuracy", "ci_low",
            "ci_high", "strict_accuracy", "lenient_accuracy", "mean_new_tokens", "seconds_per_1k_tokens",
-           "peak_memory_mib", "cap_hit_rate", "empty_rate", "no_answer_rate", "repetition_rate", "mean_evictions"]
+           "peak_memory_mib", "peak_memory_kind", "kv_cache_peak_mib", "cap_hit_rate", "empty_rate", "no_answer_rate",
+           "repetition_rate", "mean_evictions"]
 
 
 def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -62,7 +63,10 @@ def summarize(records: list[dict]) -> list[dict]:
             "strict_accuracy": sum(bool(r["correct_strict"]) for r in recs) / n,
             "lenient_accuracy": sum(bool(r.get("correct_lenient", r["correct"])) for r in recs) / n,
             "mean_new_tokens": new / n, "seconds_per_1k_tokens": 1000 * secs / max(new, 1),
-            "peak_memory_mib": max(r["peak_memory_bytes"] for r in recs) / 2**20,
+            # each record's batch's own peak (older records: the process's high-water mark, see the kind)
+            "peak_memory_mib": _max_mib(r.get("peak_memory_bytes") for r in recs),
+            "peak_memory_kind": "+".join(sorted({str(r.get("peak_memory_kind")) for r in recs})),
+            "kv_cache_peak_mib": _max_mib(r.get("kv_cache_peak_bytes") for r in recs),
             "cap_hit_rate": sum(bool(r["hit_cap"]) for r in recs) / n,
             "empty_rate": sum(bool(r["empty"]) for r in recs) / n,
             "no_answer_rate": sum(bool(r["no_answer"]) for r in recs) / n,
@@ -74,18 +78,28 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _max_mib(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) / 2**20 if vals else None
+
+
+def _mib(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.2f}"
+
+
 def _fmt(row: dict) -> list[str]:
     pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
     return [row["dataset"], row["model"], row["policy"], "-" if row["budget"] is None else str(row["budget"]),
             str(row["generations"]), f"{pct(row['accuracy'])} [{pct(row['ci_low'])}, {pct(row['ci_high'])}]",
             pct(row["strict_accuracy"]), pct(row["lenient_accuracy"]), f"{row['mean_new_tokens']:.0f}",
             f"{row['seconds_per_1k_tokens']:.1f}",
-            f"{row['peak_memory_mib']:.0f}", pct(row["cap_hit_rate"]), pct(row["empty_rate"]),
+            _mib(row["peak_memory_mib"]), _mib(row.get("kv_cache_peak_mib")), pct(row["cap_hit_rate"]),
+            pct(row["empty_rate"]),
             pct(row["no_answer_rate"]), pct(row["repetition_rate"])]
 
 
 _HEAD = ["dataset", "model", "policy", "K", "n", "accuracy % [95% CI]", "strict %", "lenient %", "new tokens",
-         "s / 1k tok", "peak MiB", "cap hit %", "empty %", "no answer %", "repetition %"]
+         "s / 1k tok", "peak MiB", "KV peak MiB", "cap hit %", "empty %", "no answer %", "repetition %"]
 
 
 def table_markdown(rows: list[dict]) -> str:
@@ -178,8 +192,12 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None) -> dict[
           "Accuracy is pass@1 graded with math-verify (integer compare for AIME/GSM8K) with a 95% confidence "
           "interval (Wilson for one sample per problem); `strict` is the paper's string matcher; `lenient` (not a "
           "protocol grader) also accepts the last number of an output without a box, for integer answers. Speed is wall "
-          "seconds per 1k generated tokens (batched runs share a batch's time by tokens); peak memory is CUDA max "
-          "allocated on GPU, process max RSS on CPU. `full` (K = -) is the no-eviction run.", "",
+          "seconds per 1k generated tokens (batched runs share a batch's time by tokens). Peak MiB: the largest of "
+          "each batch's own peak (GPU: CUDA max allocated, reset per batch; CPU: the process's resident memory "
+          "sampled during the batch, model weights included; kind `process_max_rss` in records of older versions "
+          "is the process's high-water mark, which later rows inherit). KV peak MiB: the KV cache at its largest "
+          "(peak stored tokens x bytes per token x batch rows), exact and device-independent. `full` (K = -) is "
+          "the no-eviction run.", "",
           table_markdown(rows), "", "Sources:", ""]
     for c in configs:
         md.append(f"- `{c['directory']}`: {c['dataset']} ({c['protocol']}, max {c['max_new_tokens']} new tokens, "
