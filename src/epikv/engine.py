@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -18,39 +20,143 @@ from .errors import EpiKVError
 from .policies import Policy, get_policy
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass
 class Sampling:
-    """temperature 0 = greedy; otherwise temperature, then top-k (0 = off), then top-p (1 = off)."""
+    """temperature 0 = greedy; otherwise sampling after transformers' own logits processors, in model.generate's
+    order: repetition penalty (1 = off; greedy too), temperature, top-k (0 = off), top-p (1 = off), min-p (0 = off).
+    `seed`: row i of a batch draws from its own stream seeded `seed + i`, unless generate(seeds=...) gives each row
+    its seed; a row's tokens never depend on the other rows of its batch."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+        if not (_number(self.temperature) and self.temperature >= 0):
             raise EpiKVError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
             raise EpiKVError(f"top-p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
             raise EpiKVError(f"top-k must be an integer >= 0, got {self.top_k!r}")
+        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise EpiKVError(f"min-p must be in [0, 1], got {self.min_p!r}")
+        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise EpiKVError(f"repetition penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        _check_seed(self.seed)
+
+    def processors(self):
+        """The transformers LogitsProcessorList this configuration applies (empty for plain greedy)."""
+        from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                  TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+        procs = LogitsProcessorList()
+        if self.repetition_penalty != 1:
+            procs.append(RepetitionPenaltyLogitsProcessor(float(self.repetition_penalty)))
+        if self.temperature > 0:  # warpers only shape a sampled distribution (as with do_sample=False in HF)
+            if self.temperature != 1:
+                procs.append(TemperatureLogitsWarper(float(self.temperature)))
+            if self.top_k:
+                procs.append(TopKLogitsWarper(int(self.top_k)))
+            if self.top_p < 1:
+                procs.append(TopPLogitsWarper(float(self.top_p)))
+            if self.min_p > 0:
+                procs.append(MinPLogitsWarper(float(self.min_p)))
+        return procs
 
 
-def sample(logits: torch.Tensor, cfg: Sampling, gen: torch.Generator | None) -> torch.Tensor:
-    """logits [batch, vocab] -> token ids [batch]."""
-    if cfg.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / cfg.temperature
-    if cfg.top_k:
-        kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if cfg.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= cfg.top_p  # tokens after the nucleus is complete
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
+def _gc_resolver(gc, model):
+    """name -> the value model.generate would use: the config's own, else the model's generation_config, else
+    transformers' global default (a private table in recent versions, GenerationConfig()'s attributes in older ones),
+    else `off`."""
+    from transformers import GenerationConfig
+
+    table = getattr(GenerationConfig, "_get_default_generation_params", None)
+    defaults = table() if callable(table) else GenerationConfig().to_dict()
+    sources = [gc, getattr(model, "generation_config", None)]
+
+    def get(name, off):
+        for src in sources:
+            v = getattr(src, name, None) if src is not None else None
+            if v is not None:
+                return v
+        v = defaults.get(name)
+        return off if v is None else v
+
+    return get
+
+
+def _check_seed(seed) -> None:
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
+        raise EpiKVError(f"seed must be an integer in [0, 2^63), got {seed!r}")
+
+
+def sequence_seed(*parts) -> int:
+    """A stable seed from any parts (e.g. base seed, problem id, sample index): the same on every machine and run,
+    unlike Python's salted hash()."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse CDF: probs [batch, vocab] (rows summing to ~1), u [batch] uniforms in [0, 1).
+    Only tokens with probability > 0 can come out."""
+    cdf = probs.cumsum(-1)  # [batch, vocab], non-decreasing
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].to(cdf.dtype), right=True).squeeze(-1)
+    ar = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ar, -1).amax(-1)  # float rounding could step past the last possible token
+    return torch.minimum(idx, last)
+
+
+class Sampler:
+    """Next tokens of a batch: transformers' logits processors over the ids so far (prompt + generated, kept on the
+    device), then argmax (greedy) or one inverse-CDF draw per row from that row's own seeded stream of uniforms.
+    The uniforms of every step are drawn up front on the host (one copy to the device, none per step), so a row's
+    tokens depend only on its own prompt and seed, never on its batch-mates or its position in the batch."""
+
+    def __init__(self, cfg: Sampling, seeds: Sequence[int], prompt_ids: torch.Tensor, n_pad: Sequence[int],
+                 max_new_tokens: int, device) -> None:
+        self.procs = cfg.processors()
+        self.greedy = cfg.temperature == 0
+        b, p = prompt_ids.shape
+        self.p = p
+        # [batch, prompt + new]: padding replaced by the row's first real token, so the repetition penalty sees
+        # exactly the row's own tokens (a repeated id is penalised once either way)
+        first = prompt_ids[torch.arange(b), torch.tensor(list(n_pad))]
+        ids = torch.where(torch.arange(p)[None, :] < torch.tensor(list(n_pad))[:, None], first[:, None], prompt_ids)
+        self.ids = torch.cat([ids, torch.zeros(b, max_new_tokens, dtype=torch.long)], dim=1).to(device)
+        self.u = None
+        if not self.greedy:
+            u = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s)))
+                             for s in seeds])  # [batch, max_new_tokens]
+            self.u = u.to(device)  # before the prefill: nothing queued to wait for
+
+    @property
+    def out(self) -> torch.Tensor:
+        """The generated ids [batch, max_new_tokens] (a view)."""
+        return self.ids[:, self.p:]
+
+    def scores(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """logits [batch, vocab] of step `step` after the processors (float32), as model.generate would score them."""
+        scores = logits.float()
+        if self.procs:
+            scores = self.procs(self.ids[:, : self.p + step].to(scores.device), scores)
+        return scores
+
+    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """logits [batch, vocab] of step `step` -> token ids [batch]."""
+        if not self.procs and self.greedy:
+            return logits.argmax(dim=-1)
+        scores = self.scores(logits, step)
+        if self.greedy:
+            return scores.argmax(dim=-1)
+        return draw(scores.softmax(-1), self.u[:, step].to(scores.device))
 
 
 @contextlib.contextmanager
@@ -186,17 +292,42 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
              max_new_tokens: int = 256, sampling: Sampling | None = None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, prefill_chunk: int | None = None,
              eos_token_ids: Sequence[int] | None = None, on_step: Callable[[StepInfo], None] | None = None,
-             **policy_settings) -> GenerationResult:
-    """Generate for one prompt or a batch (left-padded; each sequence keeps its own tokens)."""
+             seeds: Sequence[int] | None = None, generation_config=None, **policy_settings) -> GenerationResult:
+    """Generate for one prompt or a batch (left-padded; each sequence keeps its own tokens).
+
+    seeds: one sampling seed per prompt (default: Sampling.seed + row index). generation_config: a transformers
+    GenerationConfig instead of `sampling`; where it sets max_new_tokens (or max_length), eos_token_id or
+    stop_strings, those win over the arguments. Statistics describe exactly the tokens returned."""
     if isinstance(prompts, str):
         prompts = [prompts]
+    batch = None
+    if generation_config is not None:
+        if sampling is not None:
+            raise EpiKVError("pass either sampling or generation_config, not both")
+        sampling, over = from_generation_config(generation_config, model)
+        if over.get("max_length") is not None:  # HF counts the (padded) prompt in max_length
+            batch = encode_prompts(tokenizer, prompts, chat=chat, system=system)
+            max_new_tokens = over["max_length"] - max(len(x) for x in batch)
+            if max_new_tokens < 1:
+                raise EpiKVError(f"generation_config.max_length {over['max_length']} leaves no room after the "
+                                 f"{max(len(x) for x in batch)}-token prompt: set max_new_tokens")
+        max_new_tokens = over.get("max_new_tokens", max_new_tokens)
+        eos_token_ids = over.get("eos_token_ids", eos_token_ids)
+        stop = over.get("stop", stop)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise EpiKVError(f"max new tokens must be a positive integer, got {max_new_tokens!r}")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise EpiKVError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
     sampling = sampling or Sampling()
     stop = [s for s in stop if s]
-    batch = encode_prompts(tokenizer, prompts, chat=chat, system=system)
+    batch = batch or encode_prompts(tokenizer, prompts, chat=chat, system=system)
+    if seeds is None:
+        seeds = [sampling.seed + i for i in range(len(batch))]
+    seeds = list(seeds)
+    if len(seeds) != len(batch):
+        raise EpiKVError(f"{len(seeds)} seeds for {len(batch)} prompts: give one seed per prompt")
+    for s in seeds:
+        _check_seed(s)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, n_pad = left_pad(batch, pad_id)
     eos = list(eos_token_ids) if eos_token_ids is not None else eos_ids(model, tokenizer)
@@ -204,54 +335,133 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
     with torch.inference_mode(), attention_for(model, pol):
         dec = Decoder(model, pol, budget)
         dev = dec.device
-        gen = None
-        if sampling.temperature > 0:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(sampling.seed)
+        sampler = Sampler(sampling, seeds, ids, n_pad, max_new_tokens, dev)
+        out = sampler.out  # [batch, max_new_tokens]
         eos_t = torch.tensor(eos or [-1], device=dev)
         b = ids.shape[0]
-        t0 = time.perf_counter()
+        clock = _Clock(dev)
+        t0, h0 = clock.mark(), time.perf_counter()
         logits = dec.prefill(ids, n_pad, chunk=prefill_chunk)
-        t_prefill = time.perf_counter() - t0
-        out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+        t_pre, h_pre = clock.mark(), time.perf_counter() - h0
         finished = torch.zeros(b, dtype=torch.bool, device=dev)
-        # Host reads are batched: every step when streaming or checking stop strings, else every 16 steps.
+        # Host reads are batched: every step when streaming or checking stop strings, else every 16 steps. So the
+        # loop may run up to 15 steps past the end; each step's cache statistics and clock mark are kept (host ints
+        # and an event, no sync) and the result reports them as of the true last step.
         sync_every = 1 if (on_step or stop) else 16
         host_tokens: list[list[int]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         synced = [0]  # decode steps already copied to the host
-        n_done = 0
+        marks: list[tuple[dict, object]] = []  # per step since `first`: (cache stats, clock mark) once it is chosen
+        first = 0
         for step in range(max_new_tokens):
-            nxt = sample(logits, sampling, gen)
+            nxt = sampler(logits, step).to(dev)
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
             out[:, step] = nxt
+            marks.append((dec.cache.stats(), clock.mark()))
             finished = finished | torch.isin(nxt, eos_t)
-            n_done = step + 1
             last = step == max_new_tokens - 1
             if (step + 1) % sync_every == 0 or last:
-                fin_host = _sync_rows(out, synced, n_done, host_tokens, eos, reasons, tokenizer, stop)
+                fin_host = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tokenizer, stop)
                 if on_step:
-                    elapsed = time.perf_counter() - t0 - t_prefill
+                    elapsed = time.perf_counter() - h0 - h_pre
                     on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:],
                                      new_text=_new_text(tokenizer, host_tokens[0]),
-                                     cache_tokens=dec.cache.get_seq_length(), evictions=dec.cache.evictions,
-                                     tokens_per_s=(step + 1) / max(elapsed, 1e-9)))
-                if all(fin_host):
+                                     cache_tokens=marks[-1][0]["final_cache_tokens"],
+                                     evictions=marks[-1][0]["evictions"], tokens_per_s=(step + 1) / max(elapsed, 1e-9)))
+                if all(fin_host) or last:
                     break
                 finished = torch.tensor(fin_host, device=dev) | finished
-            if last:
-                break
+                # rows still running end after this step: older marks are no longer needed
+                first, marks = step + 1, []
             logits = dec.step(nxt[:, None])
-        seconds = time.perf_counter() - t0
-    token_ids = [_trim(row, eos) for row in host_tokens]
+        token_ids = [_trim(row, eos) for row in host_tokens]
+        end = max(len(r) for r in token_ids) - 1  # the batch's true last step: its last row's final token
+        cache_stats, t_end = marks[end - first]
+        seconds, t_prefill = clock.between(t0, t_end), clock.between(t0, t_pre)
     texts = [_cut_stop(tokenizer.decode(row, skip_special_tokens=True), stop) for row in token_ids]
     n_new = sum(len(r) for r in token_ids)
     decode_s = max(seconds - t_prefill, 1e-9)
-    stats = dict(dec.cache.stats(), prompt_tokens=[len(x) for x in batch], new_tokens=[len(r) for r in token_ids],
-                 seconds=seconds, prefill_seconds=t_prefill, decode_steps=n_done,
-                 tokens_per_s=n_new / decode_s, policy=dec.policy.name, budget=dec.cache.budget, tau=dec.cache.tau)
+    stats = dict(cache_stats, prompt_tokens=[len(x) for x in batch], new_tokens=[len(r) for r in token_ids],
+                 seconds=seconds, prefill_seconds=t_prefill, decode_steps=end + 1,
+                 tokens_per_s=n_new / decode_s, policy=dec.policy.name, budget=dec.cache.budget, tau=dec.cache.tau,
+                 seeds=seeds)
     return GenerationResult(texts=texts, token_ids=token_ids, prompt_tokens=[len(x) for x in batch],
                             finish_reasons=reasons, stats=stats)
+
+
+class _Clock:
+    """Timestamps of decode steps without a host sync: CUDA events on a GPU (read once at the end), the host clock
+    elsewhere."""
+
+    def __init__(self, device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def between(self, a, b) -> float:
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1000.0
+
+
+_GC_MAPPED = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+              "max_length", "eos_token_id", "stop_strings"}
+# plumbing that changes nothing about which tokens come out (or concerns model.generate's own cache)
+_GC_IGNORED = {"transformers_version", "_from_model_config", "pad_token_id", "bos_token_id", "decoder_start_token_id",
+               "use_cache", "cache_implementation", "cache_config", "compile_config", "disable_compile",
+               "return_dict_in_generate", "early_stopping", "length_penalty", "low_memory"}
+_GC_NO_CACHE = {"num_beams", "num_beam_groups", "num_return_sequences", "diversity_penalty", "penalty_alpha",
+                "constraints", "force_words_ids", "prompt_lookup_num_tokens", "assistant_early_exit",
+                "num_assistant_tokens", "num_assistant_tokens_schedule", "is_assistant"}
+
+
+def from_generation_config(gc, model=None) -> tuple[Sampling, dict]:
+    """A transformers GenerationConfig -> (Sampling, overrides for max_new_tokens / max_length / eos_token_ids /
+    stop). Sampling settings it leaves unset come, as in model.generate, from `model.generation_config`, then from
+    transformers' defaults (top_k 50 with do_sample). Anything else it sets that changes the tokens is refused."""
+    diff = gc.to_diff_dict()  # what differs from this transformers version's defaults
+    set_ = {k: v for k, v in diff.items() if k not in _GC_IGNORED}
+    for k in ("num_beams", "num_return_sequences"):
+        if set_.get(k) == 1:
+            set_.pop(k)
+    unsupported = sorted(k for k in set_ if k not in _GC_MAPPED)
+    if unsupported:
+        what = ", ".join(f"{k}={set_[k]!r}" for k in unsupported)
+        if any(k in _GC_NO_CACHE for k in unsupported):
+            raise EpiKVError(f"generation_config sets {what}: an evicting cache decodes one sequence per prompt (no "
+                             "beam search, multiple return sequences or assisted decoding)")
+        raise EpiKVError(f"generation_config sets {what}, which epikv.generate does not map (it maps do_sample, "
+                         "temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, eos_token_id, "
+                         "stop_strings): use model.generate with cache=EpiKVCache(...) for other processors")
+    get = _gc_resolver(gc, model)
+    rp = get("repetition_penalty", 1.0)
+    if get("do_sample", False):
+        t = get("temperature", 1.0)
+        if t == 0:
+            raise EpiKVError("generation_config: do_sample with temperature 0; use do_sample=False for greedy")
+        sampling = Sampling(temperature=t, top_k=get("top_k", 0), top_p=get("top_p", 1.0), min_p=get("min_p", 0.0),
+                            repetition_penalty=rp)
+    else:
+        sampling = Sampling(repetition_penalty=rp)
+    over: dict = {}
+    if gc.max_new_tokens is not None:
+        over["max_new_tokens"] = gc.max_new_tokens
+    elif "max_length" in set_:
+        over["max_length"] = gc.max_length
+    if gc.eos_token_id is not None:
+        e = gc.eos_token_id
+        over["eos_token_ids"] = [int(i) for i in (e if isinstance(e, (list, tuple)) else [e])]
+    if getattr(gc, "stop_strings", None):
+        s = gc.stop_strings
+        over["stop"] = [s] if isinstance(s, str) else list(s)
+    return sampling, over
 
 
 def _sync_rows(out, synced, n_done, host_tokens, eos, reasons, tokenizer, stop) -> list[bool]:
