@@ -214,3 +214,26 @@ def test_trace_refuses_a_policy_without_per_token_scores(capsys):
     line = run_bad(capsys, "trace", "--model", "random:tiny", "--prompt", "Q", "--completion", " a b c",
                    "--policy", "h2o")
     assert "no per-token score to trace" in line
+
+
+def test_generate_applies_the_chat_template_by_default(capsys, monkeypatch, smollm2):
+    """The embedded instruct model fed raw text ends at once; the CLI formats with its chat template unless --raw."""
+    import epikv.engine as engine
+
+    seen = []
+    encode = engine.encode_prompts
+    monkeypatch.setattr(engine, "encode_prompts", lambda *a, **k: seen.append(encode(*a, **k)[0]) or [seen[-1]])
+    prompt = "Explain step by step why the sum of two odd numbers is even."
+    tok = smollm2.tokenizer
+    templated = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    templated = list(templated["input_ids"] if hasattr(templated, "keys") else templated)
+    base = ["generate", "--prompt", prompt, "--max-new-tokens", "8", "--json"]
+    code, out, _ = run_cli(capsys, *base)
+    assert code == 0 and seen[-1] == templated
+    assert json.loads(out)["text"].strip() and json.loads(out)["prompt_tokens"] == len(templated)
+    assert run_cli(capsys, *base, "--chat")[0] == 0 and seen[-1] == templated  # --chat: the same (kept alias)
+    assert run_cli(capsys, *base, "--raw")[0] == 0
+    assert seen[-1] == tok(prompt, add_special_tokens=True)["input_ids"] != templated
+    code, out, _ = run_cli(capsys, *base, "--system", "Answer in French.")
+    assert code == 0 and seen[-1] == list(encode(tok, [prompt], chat=True, system="Answer in French.")[0])

@@ -10,7 +10,8 @@ from .common import add_model_args, add_policy_args, load, out_file, read_text, 
 
 def register(sub) -> None:
     p = sub.add_parser("trace", help="show per-token scores and evictions over a text",
-                       description="Show a policy's per-token score over a text and what it evicts at a budget.")
+                       description="Stream a text once under an EPIKV-family policy at --budget and show the score "
+                                   "each token got on arrival in that pass, and which tokens it evicted.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file", help="a text file (its first line is treated as the prompt)")
     src.add_argument("--prompt", help="the prompt (protected); use with --completion")

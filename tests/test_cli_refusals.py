@@ -1,0 +1,165 @@
+"""Bad or ignored command-line options: a one-line refusal with exit status 2 (or a one-line warning that lets the
+command go on), never a traceback or silence."""
+
+import json
+
+import pytest
+
+from epikv.cli import main
+
+TINY = ["--model", "random:tiny"]
+GEN = ["generate", *TINY, "--prompt", "Hello there, my friend", "--max-new-tokens", "2", "--json"]
+
+
+def refused(capsys, *argv) -> str:
+    """Exit status 2, exactly one line on stderr, no traceback; returns the line."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse refusals
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# -- devices ---------------------------------------------------------------------------------------------------------
+def test_cuda_device_without_cuda(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU-only machine, wherever this runs
+    line = refused(capsys, *GEN, "--device", "cuda")
+    assert "device 'cuda' is not available" in line and "--device cpu" in line
+
+
+def test_unknown_device(capsys):
+    assert "unknown device 'gpu0'" in refused(capsys, *GEN, "--device", "gpu0")
+
+
+# -- --out of the wrong kind -----------------------------------------------------------------------------------------
+@pytest.fixture
+def paths(tmp_path):
+    f = tmp_path / "a_file.txt"
+    f.write_text("x")
+    d = tmp_path / "a_folder"
+    d.mkdir()
+    return {"file": str(f), "folder": str(d), "under_file": str(f / "sub")}
+
+
+# (command line before --out, which kind of existing path is wrong for it)
+OUT_CASES = [
+    (["eval", "--dataset", "gsm8k", *TINY], "file"),
+    (["retention", *TINY], "file"),
+    (["report", "x"], "file"),
+    (["anatomy", "label", "--traces", "t.jsonl"], "file"),
+    (["anatomy", "profile", "--labels", "x"], "file"),
+    (["eval", "--dataset", "gsm8k", *TINY], "under_file"),
+    (["anatomy", "bands", "--profile", "x"], "folder"),
+    (["bench", "speed", *TINY], "folder"),
+    (["bench", "memory", *TINY], "folder"),
+    (["bench", "speed", *TINY], "under_file"),
+]
+
+
+@pytest.mark.parametrize("argv,kind", OUT_CASES, ids=[f"{' '.join(a[:2])}-{k}" for a, k in OUT_CASES])
+def test_out_of_the_wrong_kind(capsys, paths, argv, kind):
+    line = refused(capsys, *argv, "--out", paths[kind])
+    assert "argument --out" in line and paths[kind] in line
+    assert {"file": "is not a folder", "folder": "is a folder", "under_file": "is a file, not a folder"}[kind] in line
+
+
+@pytest.mark.parametrize("opt", ["--html", "--png"])
+def test_trace_output_that_is_a_folder(capsys, paths, opt):
+    line = refused(capsys, "trace", *TINY, "--prompt", "Q", "--completion", " a b", opt, paths["folder"])
+    assert f"argument {opt}" in line and "is a folder" in line
+
+
+# -- unreadable input ------------------------------------------------------------------------------------------------
+def test_non_utf8_bands_file(capsys, tmp_path):
+    bad = tmp_path / "bands.json"
+    bad.write_bytes(b'{"layers": [1, 2], "note": "\xff\xfe"}')
+    line = refused(capsys, *GEN, "--bands-file", str(bad))
+    assert "cannot read bands file" in line and "not UTF-8" in line
+
+
+# -- options that would be ignored -----------------------------------------------------------------------------------
+def test_system_with_raw(capsys):
+    assert "--system needs the chat template" in refused(capsys, *GEN, "--raw", "--system", "Be brief.")
+
+
+def test_raw_and_chat_together(capsys):
+    assert "not allowed with argument" in refused(capsys, *GEN, "--raw", "--chat")
+
+
+@pytest.fixture(scope="module")
+def no_template_model(tmp_path_factory):
+    """random:tiny saved with a tokenizer that has no chat template."""
+    from epikv.models import load_model
+
+    lm = load_model("random:tiny")
+    d = tmp_path_factory.mktemp("notemplate")
+    lm.tokenizer.chat_template = None
+    lm.model.save_pretrained(d)
+    lm.tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("opt", [["--system", "Be brief."], ["--chat"]])
+def test_chat_options_without_a_chat_template(capsys, no_template_model, opt):
+    line = refused(capsys, "generate", "--model", no_template_model, "--prompt", "Hi", "--max-new-tokens", "2", *opt)
+    assert "has no chat template" in line and f"drop {opt[0]}" in line
+
+
+def test_no_chat_template_means_raw_text(capsys, no_template_model):
+    assert main(["generate", "--model", no_template_model, "--prompt", "Hi", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 1  # "Hi" alone
+
+
+def test_n_sink_needs_no_protect_prompt(capsys):
+    line = refused(capsys, *GEN, "--n-sink", "2")
+    assert "--n-sink only applies with --no-protect-prompt" in line
+    assert main([*GEN, "--n-sink", "2", "--no-protect-prompt"]) == 0  # where it matters, it is taken
+    # a policy told through --set not to protect the prompt reads --n-sink too
+    assert main([*GEN, "--n-sink", "2", "--set", "epikv.protect_prompt=false"]) == 0
+
+
+@pytest.fixture
+def bands_file(tmp_path):
+    p = tmp_path / "bands.json"
+    p.write_text(json.dumps({"layers": [1, 3], "band_a": [0, 1], "band_b": [2, 3]}))
+    return str(p)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--policy", "full", "--bands-file", "BANDS"], "--bands-file: its layers and bands are read by"),
+    (["--policy", "h2o", "--bands-file", "BANDS"], "not by h2o"),
+    (["--policy", "epikv", "--bands", "0-1,2-3"], "--bands is read by epikv-band only"),
+    (["--policy", "streaming", "--layers", "1,3"], "--layers is read by"),
+])
+def test_band_options_without_a_policy_that_reads_them(capsys, bands_file, argv, needle):
+    line = refused(capsys, *GEN, *[bands_file if a == "BANDS" else a for a in argv])
+    assert needle in line
+
+
+def test_band_options_with_policies_that_read_them(capsys, bands_file):
+    for argv in (["--policy", "epikv", "--bands-file", bands_file], ["--policy", "epikv-band", "--bands", "0-1,2-3"],
+                 ["--policy", "epikv-band", "--bands-file", bands_file]):
+        assert main([*GEN, *argv]) == 0, capsys.readouterr().err
+    # a file holding only layers means nothing to epikv-band
+    only_layers = bands_file.replace("bands.json", "layers.json")
+    with open(only_layers, "w") as f:
+        json.dump({"layers": [1, 3]}, f)
+    assert "its layers are read by epikv, epikv-raw, epikv-a, not by epikv-band" in refused(
+        capsys, *GEN, "--policy", "epikv-band", "--bands-file", only_layers)
+
+
+def test_budget_with_full_warns_and_runs(capsys):
+    assert main([*GEN, "--policy", "full", "--budget", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["epikv generate: warning: full never evicts: --budget is ignored"]
+    assert json.loads(out)["policy"] == "full"
+    assert main([*GEN, "--policy", "full"]) == 0  # the default budget: nothing to warn about
+    assert capsys.readouterr().err == ""
+    assert main([*GEN, "--policy", "epikv", "--budget", "64"]) == 0
+    assert capsys.readouterr().err == ""
