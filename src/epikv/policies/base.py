@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import EpiKVError
+from .pages import page_keep
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Policy:
     recent: int | None = None  # protected newest tokens; None = min(128, budget // 4)
     protect_prompt: bool = True  # else only the first n_sink tokens are protected
     n_sink: int = 4
+    page: int = 0  # > 0: evict whole pages of this many slots, as a paged engine must (policies/pages.py); 0 = tokens
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -101,6 +103,11 @@ class Policy:
                 raise EpiKVError(f"{self.name}: {f.name} must not be negative, got {v}")
         if self.tau < 1:
             raise EpiKVError(f"tau must be at least 1, got {self.tau}")
+        if self.page and (not self.evicts or self.granularity != "token" or type(self).keep is not Policy.keep):
+            why = ("never evicts" if not self.evicts else f"keeps per {self.granularity}"
+                   if self.granularity != "token" else "has its own keep rule")
+            raise EpiKVError(f"{self.name}: page-granular eviction (page={self.page}) needs a token-granularity "
+                             f"policy with the default keep rule; {self.name} {why}")
 
     # -- declared observations -------------------------------------------------------------------------------------
     def observes(self, n_layers: int) -> Observes:
@@ -136,6 +143,8 @@ class Policy:
     def keep(self, state: Any, view: CacheView) -> torch.Tensor:
         """The slots to keep, [batch, m] or [batch, layers, kv_heads, m], sorted, the same m for every row (tensors
         stay rectangular). Default: exactly `budget` by `scores`; a policy may keep fewer (EpiKV-Seg's caps)."""
+        if self.page:
+            return page_keep(self.scores(state, view), view, self.page)
         return select_keep(self.scores(state, view), view)
 
     def uncompressed_layers(self, n_layers: int) -> tuple[int, ...]:
