@@ -298,3 +298,15 @@ def test_padding_in_a_later_turn_is_refused(tiny):
     mask2[0, -2] = 0
     with pytest.raises(EpiKVError, match="must all be real"):
         gen(m, {"input_ids": ids2, "attention_mask": mask2}, c, 2)
+
+
+def test_knorm_later_turn_is_refused_clearly(tiny):
+    """knorm's uncompressed layers grow longer than the rest once it evicts: its first turn matches the engine,
+    a later multi-token turn cannot be masked in one forward and is refused with what to do instead."""
+    m, tok = tiny.model, tiny.tokenizer
+    c = EpiKVCache(m, "knorm", budget=16, tau=1)
+    out = gen(m, tok(PROMPTS[0], return_tensors="pt"), c, 20)
+    res = generate(m, tok, PROMPTS[0], policy="knorm", budget=16, tau=1, max_new_tokens=20, eos_token_ids=[])
+    assert out[0, -20:].tolist() == res.token_ids[0] and c.evictions > 0
+    with pytest.raises(EpiKVError, match="Decoder.step"):
+        gen(m, torch.cat([out, torch.tensor([[5, 6]])], 1), c, 2)

@@ -477,6 +477,11 @@ class EpiKVCache(Cache):
         elif is_2d and t > 1 and not bool(valid.all()):  # (a single new token: generate's mask always ends in 1)
             raise EpiKVError("only the first forward over an EpiKVCache may hold padding (a left-padded prompt): "
                              "the new tokens of a later turn must all be real")
+        if self.feeds_one_at_a_time(t):
+            raise EpiKVError(f"{self.policy.name} leaves layers {sorted(self._full_layers)} uncompressed, so once "
+                             "it has evicted its layers differ in length and a forward of several tokens (a later "
+                             "turn in model.generate) cannot be masked: feed the turn with epikv.engine.Decoder.step, "
+                             "which splits it, or set skip_layers to none")
         new_mask, pos = self.prepare(valid)
         given = kwargs.get("position_ids")
         if given is not None:  # the caller's positions (generate derives the true ones from its mask)
