@@ -1,25 +1,60 @@
 #!/usr/bin/env bash
-# Both performance benchmarks on one CUDA GPU with the DeepSeek-R1-Distill-Llama-8B shape (random weights), bf16.
-# Budget: under 8 minutes on one H200 (model init about 30 s per command; speed about 4-5 min; memory about 2 min).
+# The three performance benchmarks on one CUDA GPU with the DeepSeek-R1-Distill-Llama-8B shape (random weights,
+# bf16, SDPA): decode speed + long generations, the single-pass memory wall, throughput under a KV-memory cap.
+# Budget: the whole script stays under 8 minutes on one H200. Each step gets a share (speed 220 s, throughput 180 s,
+# memory the rest) and never runs past the script's deadline (470 s); a step that times out leaves its finished
+# records in OUT/*.json.jsonl and the next step still runs. Rerunning resumes: finished budgets / points / batches
+# are read back from the journals, not measured again.
+# Estimates (not yet measured on a GPU): model init about 20 s per command; a decode step about 30-40 ms.
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]   (default benchmarks/results/bench/gpu)
-# Each command is append-only (OUT/*.json.jsonl) and resumable: rerunning skips the budgets / points already done.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/bench/gpu}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 EPIKV=${EPIKV:-epikv}
+# MATH-500 prompts for the throughput step: $EPIKV_DATA_DIR, else ../shared/data or shared/data
+DATA=${EPIKV_DATA_DIR:-../shared/data}
+[ -f "$DATA/math500.jsonl" ] || DATA=shared/data
+DEADLINE=470  # seconds after the start of this script
+MODEL=(--model random:llama-8b --device cuda --dtype bfloat16 --attn sdpa)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" || true
 
-# SDPA (flash kernels inside torch) for everything; attention-based policies switch to eager themselves.
-# Default policy list: every registered attention-based policy + epikv + lag-kv + full + streaming, tau 1 and 128.
-timeout 330 $EPIKV bench speed --model random:llama-8b --device cuda --dtype bfloat16 --attn sdpa \
-  --budgets 1024 --taus 1,128 --gen-tokens 256 --round-steps 128 \
+step() {  # step NAME SHARE_S COMMAND...: run with timeout min(SHARE_S, time left), log, never abort the script
+  local name=$1 share=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  local limit=$((share < left ? share : left))
+  if ((limit < 30)); then
+    echo "$name: skipped, ${left} s left" | tee -a "$OUT/steps.txt"
+    return
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2> >(tee "$OUT/$name.log" >&2)
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/steps.txt"
+}
+
+# 1. Decode speed at K = 1024, tau 1 and 128 (attention-based policies switch to eager themselves), 2 interleaved
+#    rounds of 128 steps; then long generations of full vs epikv to 2048 tokens (tokens/s, KV and peak memory).
+#    About 9 configs x 260 steps + 2 x 2048 steps.
+step speed 220 $EPIKV bench speed "${MODEL[@]}" \
+  --policies h2o,rkv,epikv,full,streaming --budgets 1024 --taus 1,128 --gen-tokens 256 --round-steps 128 \
   --long-policies full,epikv --long-budget 1024 --long-lengths 512,1024,2048 \
   --out "$OUT/speed_llama8b.json"
 
-# One forward pass per point; eager + attention weights of all 32 layers is expected to run out of memory at 8192
-# (32 layers x 32 heads x n^2 bf16 = 128 GiB), so larger eager points are skipped automatically.
-timeout 150 $EPIKV bench memory --model random:llama-8b --device cuda --dtype bfloat16 --attn sdpa \
+# 2. Throughput under a 512 MiB KV cap (128 KiB per token and sequence: 32 layers x 8 KV heads x 128 x 2 x bf16):
+#    12 MATH-500 prompts of <= 128 tokens, 512 forced new tokens each, K = 256. Expected largest batches: full 4
+#    (its buffers double to 1024 slots: 128 MiB a sequence), epikv 12 (321 slots + 2 hidden states), h2o 8 (its
+#    prefill attention weights, 32 layers x 32 heads x width^2, count too). Static batches, interleaved; 8 batches of
+#    511 decode steps in all.
+step throughput 180 $EPIKV bench throughput "${MODEL[@]}" \
+  --policies full,epikv,h2o --budgets 256 --cap-mib 512 --requests 12 --max-prompt-tokens 128 \
+  --max-new-tokens 512 --ladder 0 --data math500 --data-dir "$DATA" \
+  --out "$OUT/throughput_llama8b.json"
+# 3. One forward pass per point; eager + attention weights of all 32 layers is expected to run out of memory at 8192
+#    (32 layers x 32 heads x n^2 bf16 = 128 GiB), so larger eager points are skipped automatically.
+step memory 120 $EPIKV bench memory "${MODEL[@]}" \
   --lengths 2048,4096,8192,16384,32768,65536 --out "$OUT/memory_llama8b.json"
-echo "done: $OUT"
+
+echo "done in $SECONDS s: $OUT"

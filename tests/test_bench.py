@@ -128,6 +128,8 @@ def test_cli_memory_json(tmp_path):
     (["bench", "speed", "--model", "random:tiny", "--policies", "nope"], "unknown policy 'nope'"),
     (["bench", "speed", "--model", "random:tiny", "--policies", "epikv", "--gen-tokens", "8"], "shorter than one round"),
     (["bench", "speed", "--model", "random:tiny", "--policies", "epikv", "--long-policies", "zzz"], "unknown policy 'zzz'"),
+    (["bench", "speed", "--model", "random:tiny", "--policies", "epikv", "--long-lengths", "1024,8129"],
+     "context limit of 8192 positions: the longest checkpoint can be 8128"),
     (["bench", "memory", "--model", "random:tiny", "--lengths", "64"], "needs --cap-gib"),
     (["bench", "memory", "--model", "random:tiny", "--modes", "foo", "--cap-gib", "1"], "unknown mode 'foo'"),
 ])

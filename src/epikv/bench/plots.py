@@ -15,7 +15,7 @@ def plot_speed(result: dict, path: str | Path) -> None:
     tokens/s and peak memory against generated length."""
     blocks = result["budgets"]
     long = [p for p in result.get("long", []) if p.get("status", "ok") == "ok" and "generated" in p]
-    ncols = len(blocks) + (2 if long else 0)
+    ncols = len(blocks) + (3 if long else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2), squeeze=False)
     for ax, b in zip(axes[0], blocks):
         rows = b["configs"]
@@ -30,13 +30,18 @@ def plot_speed(result: dict, path: str | Path) -> None:
             if r["label"] in sp:
                 ax.text(i, ms[i], f"{sp[r['label']]:.2f}x", ha="center", va="bottom", fontsize=7)
     if long:
-        ax_t, ax_m = axes[0][-2], axes[0][-1]
+        ax_t, ax_m, ax_kv = axes[0][-3], axes[0][-2], axes[0][-1]
         for pol in dict.fromkeys(p["policy"] for p in long):
             pts = [p for p in long if p["policy"] == pol]
             x = [p["generated"] for p in pts]
             ax_t.plot(x, [p["segment_tokens_per_s"] for p in pts], marker="o", label=pol)
             if all("peak_gib" in p for p in pts):
                 ax_m.plot(x, [p["peak_gib"] for p in pts], marker="o", label=pol)
+            if all("kv_buffer_mib" in p for p in pts):
+                ax_kv.plot(x, [p["kv_buffer_mib"] for p in pts], marker="o", label=pol)
+        ax_kv.set_xlabel("generated tokens"), ax_kv.set_ylabel("KV buffers allocated (MiB)")
+        ax_kv.set_title("KV cache buffers at each checkpoint", fontsize=9)
+        ax_kv.legend()
         ax_t.set_xlabel("generated tokens"), ax_t.set_ylabel("tokens/s (last segment)")
         ax_t.set_title(f"long generation, K = {long[0].get('budget') or result.get('long_budget')}", fontsize=9)
         ax_m.set_xlabel("generated tokens"), ax_m.set_ylabel("peak memory so far (GiB)")

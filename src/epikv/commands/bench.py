@@ -133,6 +133,8 @@ def run_speed(args) -> int:
         raise EpiKVError(f"--gen-tokens {args.gen_tokens} is shorter than one round "
                          f"({args.round_steps or max(taus)} steps); raise it or set --round-steps")
     lm = load(args)
+    if not args.no_long:
+        _check_context(lm.model, args.prompt_tokens, max(args.long_lengths))
     device = _device_of(lm.model)
     dtype = str(lm.model.dtype).replace("torch.", "")
     env_start = _environment()
@@ -179,6 +181,16 @@ def _heartbeat(label: str, unit: str, total: int | None = None):
 def _tick(hb, line: str) -> None:
     hb.update(1)
     print(line, file=sys.stderr, flush=True)
+
+
+def _check_context(model, prompt_tokens: int, generated: int) -> None:
+    """A long generation may reach the model's context limit (SmolLM2: 8192 positions), not pass it: positions
+    count every token seen, evicted or not."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit and prompt_tokens + generated > limit:
+        raise EpiKVError(f"--prompt-tokens {prompt_tokens} + {generated} generated tokens exceeds the model's context "
+                         f"limit of {limit} positions: the longest checkpoint can be {limit - prompt_tokens}")
 
 
 def _fmt_point(p: dict) -> str:
