@@ -91,12 +91,14 @@ def plot_throughput(result: dict, path: str | Path) -> None:
             if p["batch"] == top:
                 ax_t.scatter([top], [p["aggregate_tokens_per_s"]], marker="*", s=160, color=line.get_color(), zorder=3)
         ax_m.plot(x, [p["kv_peak_bytes"] / 2**20 for p in pts], marker="o", color=line.get_color(), label=label)
+        ax_m.plot(x, [p["predicted_peak_bytes"] / 2**20 for p in pts], linestyle="--", color=line.get_color())
     ax_t.set_xlabel("batch size (static)"), ax_t.set_ylabel("aggregate generated tokens/s")
     ax_t.set_title(f"throughput, {result['requests']} requests x {result['new_tokens']} tokens (star: largest batch "
                    f"under {cap_mib:g} MiB)", fontsize=9)
     ax_m.axhline(cap_mib, color="black", linestyle="--", linewidth=0.8, label=f"cap {cap_mib:g} MiB")
-    ax_m.set_xlabel("batch size (static)"), ax_m.set_ylabel("KV buffers, measured peak (MiB)")
-    ax_m.set_title("KV memory (attention weights of eager policies count toward the cap, not shown)", fontsize=9)
+    ax_m.set_xlabel("batch size (static)"), ax_m.set_ylabel("MiB")
+    ax_m.set_title("solid: KV buffers (measured peak); dashed: + observed attention\nweights / hidden states "
+                   "(counted against the cap)", fontsize=9)
     ax_t.legend(fontsize=8), ax_m.legend(fontsize=8)
     fig.suptitle(f"throughput under a KV-memory cap: {result['model']} on {result['device']} ({result['dtype']}); "
                  "static batches, forced length", fontsize=10)
