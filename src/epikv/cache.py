@@ -146,6 +146,36 @@ class BufferLayer(DynamicLayer):
     batch_select_indices = reorder_cache = batch_repeat_interleave
 
 
+class SlidingBufferLayer(BufferLayer):
+    """A sliding-window attention layer (Gemma-3, GPT-OSS, Ministral): never evicted by the policy, it keeps the last
+    `window - 1` tokens seen, as transformers' DynamicSlidingWindowLayer does (the sliding mask lets a query see
+    itself and the window - 1 tokens before it). `update` returns the kept tokens plus the new ones (the new tokens
+    see their own window) and then drops what falls out of it; get_mask_sizes (inherited) puts the stored slots at
+    their true columns, seen - stored ... seen - 1, so the model's sliding mask stays exact whatever the full-attention
+    layers evicted."""
+
+    is_sliding = True
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.keep_slots = max(1, window - 1)
+        super().__init__(self.keep_slots + max(16, self.keep_slots // 4))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states)  # views of every used slot, the new ones last
+        drop = self.length - self.keep_slots
+        if drop > 0:  # the returned views stay valid: nothing is written over them before the next update
+            self.off += drop
+            self.length = self.keep_slots
+            self._refresh_views()
+            if self.capacity > 2 * self.capacity_hint:  # after a long prompt: release the memory
+                self._allocate(self.capacity_hint, key_states, value_states)
+        return keys, values
+
+    def get_max_length(self) -> int:
+        return self.window
+
+
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [batch, heads, n, dim], idx [batch, 1 or heads, m] -> x's slots idx [batch, heads, m, dim].
 
@@ -197,6 +227,27 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         raise EpiKVError(f"{type(model).__name__} has no decoder layers at model.model.layers: not a supported causal LM")
     return layers
+
+
+def attention_layout(model, n_layers: int) -> tuple[frozenset[int], int | None]:
+    """(the sliding-window layers, their window) from the model's config, as transformers reads it: `layer_types`
+    ("sliding_attention" / "full_attention"), or without it every layer slides when the config has a sliding_window
+    (Mistral v0.1). Any other kind of layer (linear attention, chunked attention ...) is refused."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False:  # Qwen2's switch: the window size is kept but unused
+        window = None
+    types = list(getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n_layers)
+    other = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise EpiKVError(f"models with {', '.join(map(str, other))} layers are not supported (linear-attention and "
+                         "other non-softmax layers hold no per-token cache to evict): only full and sliding-window "
+                         "attention layers")
+    sliding = frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    if len(types) != n_layers or (sliding and not (isinstance(window, int) and window >= 1)):
+        raise EpiKVError(f"the model's config declares {len(types)} layer types for {n_layers} decoder layers "
+                         f"and sliding_window={window!r}: cannot tell which layers slide")
+    return sliding, (window if sliding else None)
 
 
 def cache_kwarg(model) -> str:
@@ -289,6 +340,25 @@ def _install_hook(module: torch.nn.Module, key: str, hook) -> None:
             handles[key] = module.register_forward_hook(hook, with_kwargs=True)
 
 
+def _check_hybrid_policy(policy: Policy, obs, n_layers: int) -> None:
+    """On a model mixing sliding-window and full-attention layers only the full-attention layers are evicted, with one
+    keep set per sequence. Policies whose data is defined layer by layer over the cached keys (per-head or per-layer
+    keep sets, attention weights, recomputed queries paired with a layer's keys) would meet sliding layers that hold
+    only their window: refused rather than silently computed on a subset of layers."""
+    why = None
+    if policy.granularity != "token":
+        why = f"keeps a separate token set per {policy.granularity}"
+    elif obs.attention_layers:
+        why = "reads attention weights"
+    elif obs.queries:
+        why = "reads recomputed query states"
+    elif policy.evicts and policy.uncompressed_layers(n_layers):
+        why = "leaves some layers uncompressed"
+    if why:
+        raise EpiKVError(f"policy {policy.name} {why}, which is not supported on models with sliding-window layers "
+                         "(only token-level policies reading hidden states or cached keys/values are)")
+
+
 class EpiKVCache(Cache):
     """A KV cache that keeps at most `budget` tokens per sequence by evicting with a policy.
 
@@ -298,6 +368,15 @@ class EpiKVCache(Cache):
     with their policy state), later turns (`get_seq_length()` counts tokens seen, so generate feeds only the unseen
     suffix at its true positions; `stored_length()` is what is stored) and `copy.deepcopy` to fork a conversation.
     Between two steps the cache holds at most budget + tau - 1 tokens, exactly budget after each eviction.
+
+    Hybrid models (Gemma-3, GPT-OSS, Ministral: `config.layer_types` mixing "sliding_attention" and
+    "full_attention"): the budget and the policy apply to the full-attention layers only (the reference layer for
+    lengths is one of them, and view.keys / obs.keys list only them); each sliding-window layer keeps the last
+    sliding_window - 1 tokens seen, as transformers' own sliding layers do, never takes part in eviction and reports
+    its own kv length and offset to the mask builder, so its window stays exact (left-padded batches too, with the
+    default keep rule, which evicts a row's padding before its real tokens). Policies defined layer by layer
+    (per-head or per-layer keep sets, attention weights, recomputed queries) are refused there, as are
+    linear-attention layers; a model whose every layer slides is already bounded and only runs the `full` policy.
     """
 
     def __init__(self, model, policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
@@ -305,9 +384,13 @@ class EpiKVCache(Cache):
         self.policy = get_policy(policy, tau=tau, **policy_settings)
         layers = decoder_layers(model)
         self.n_layers = len(layers)
-        text_cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-        if any(t != "full_attention" for t in (getattr(text_cfg, "layer_types", None) or [])):
-            raise EpiKVError("models with sliding-window or linear-attention layers are not supported yet")
+        sliding, self.window = attention_layout(model, self.n_layers)
+        if sliding and len(sliding) == self.n_layers:
+            if self.policy.evicts:
+                raise EpiKVError(f"every attention layer of this model is sliding-window ({self.window} tokens): its "
+                                 "cache is already bounded by the window and no full-attention layer is left to "
+                                 "evict from; use policy full (or the model's own cache)")
+            sliding = frozenset()  # nothing is evicted: plain buffers keep every token and the masks stay exact
         if self.policy.evicts:
             if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise EpiKVError(f"budget must be a positive integer, got {budget!r}")
@@ -319,6 +402,8 @@ class EpiKVCache(Cache):
 
         check_layers(obs.hidden_layers, self.n_layers)
         check_layers(obs.attention_layers, self.n_layers)
+        if sliding:
+            _check_hybrid_policy(self.policy, obs, self.n_layers)
         if obs.attention_layers and getattr(model.config, "_attn_implementation", "eager") != "eager":
             raise EpiKVError(f"policy {self.policy.name} reads attention weights and needs eager attention "
                              f"(the model uses {model.config._attn_implementation})")
@@ -332,10 +417,15 @@ class EpiKVCache(Cache):
         check_layers(self._full_layers, self.n_layers)
         if len(self._full_layers) >= self.n_layers:
             raise EpiKVError(f"{self.policy.name}: at least one layer must be compressed")
-        self._ref = min(set(range(self.n_layers)) - self._full_layers)
+        # hybrid models: the sliding-window layers keep their own window and never take part in eviction; the
+        # policy sees, scores and evicts the full-attention layers only
+        self._sliding = sliding
+        self._ref = min(set(range(self.n_layers)) - self._full_layers - sliding)  # a full-attention layer
+        self._kv_layers = tuple(i for i in range(self.n_layers) if i not in sliding)  # what view.keys lists
         # budget + tau slots, plus slack so the kept run can drift right before it is moved back to offset 0
         self._capacity = (self.budget + self.tau + max(16, self.budget // 4)) if self.budget else 256
-        super().__init__(layers=[BufferLayer(self._capacity) for _ in range(self.n_layers)])
+        super().__init__(layers=[SlidingBufferLayer(self.window) if i in sliding else BufferLayer(self._capacity)
+                                 for i in range(self.n_layers)])
         self.home = model.get_input_embeddings().weight.device
         for l in obs.hidden_layers:
             _install_hook(layers[l], "hidden", _hidden_hook(l))
@@ -379,6 +469,12 @@ class EpiKVCache(Cache):
             raise EpiKVError(f"budget {self.budget} is smaller than what is protected: {max(prot)} {what} + "
                              f"{self.recent} recent tokens; raise the budget or shorten the prompt")
         self._padded = any(n_pad)  # host-side, from the prompt layout: no device sync per step
+        if self._sliding and self._padded and self.policy.evicts and (
+                self.policy.page or type(self.policy).keep is not Policy.keep):
+            # the shared 2D mask needs every padded row to lose its padding before any real token (see _padding_mask)
+            what = f"evicts whole pages (page={self.policy.page})" if self.policy.page else "has its own keep rule"
+            raise EpiKVError(f"{self.policy.name} {what}, which may evict real tokens of a padded row before its "
+                             "padding: on a model with sliding-window layers run its prompts unpadded (one at a time)")
         self.n_pad = torch.tensor(n_pad, device=self.home)
         self.n_protect = torch.tensor(prot, device=self.home)
         self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
@@ -429,10 +525,19 @@ class EpiKVCache(Cache):
     def _padding_mask(self, valid: torch.Tensor) -> torch.Tensor:
         """The 2D mask [batch, seen + T] laid out as transformers reads it: get_mask_sizes puts the stored slots at
         columns seen - stored ... seen - 1 and the T new tokens after them (the columns before, evicted tokens, are
-        never read). Padding stays a prefix of each row's stored slots, so that part comes from n_pad."""
-        layer = self.layers[0]  # the layer transformers sizes the mask by (padded batches: all layers alike)
+        never read). Padding stays a prefix of each row's stored slots, so that part comes from n_pad.
+
+        With sliding-window layers the columns before the stored slots show the true padding (the first
+        seen - real columns of a row): a sliding layer reads the columns of its window, which may reach before the
+        full-attention layers' stored slots. Where both read, they agree: a row keeps padding only while it keeps every
+        real token (checked at eviction), so its stored padding sits at the padding's true columns."""
+        layer = self.layers[self._ref]  # a full-attention layer: every layer has seen the same columns
         n = layer.length
-        gone = valid.new_ones(valid.shape[0], layer.cumulative - n)
+        if self._sliding:
+            pad0 = layer.cumulative - self.seen  # [batch] padding columns of each row (fed in the first forward)
+            gone = torch.arange(layer.cumulative - n, device=self.home)[None, :] >= pad0[:, None]
+        else:
+            gone = valid.new_ones(valid.shape[0], layer.cumulative - n)
         stored = torch.arange(n, device=self.home)[None, :] >= self.n_pad[:, None]
         return torch.cat([gone, stored, valid], dim=1).long()
 
@@ -520,8 +625,8 @@ class EpiKVCache(Cache):
         obs = StepObservation(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos,
                               stored=self.token_data, n_protect=self.n_protect,
                               kv_heads=self.layers[self._ref].keys.shape[1],
-                              keys=[l.keys for l in self.layers] if self._needs_kv else [],
-                              values=[l.values for l in self.layers] if self._needs_kv else [])
+                              keys=[self.layers[i].keys for i in self._kv_layers] if self._needs_kv else [],
+                              values=[self.layers[i].values for i in self._kv_layers] if self._needs_kv else [])
         n_old = self._stored_after_step
         new = self.policy.on_tokens(self.state, obs)
         new["pos"] = pos  # true position of every stored token, kept aligned through evictions
@@ -540,8 +645,8 @@ class EpiKVCache(Cache):
         return CacheView(
             length=self.layers[self._ref].length, budget=self.budget, token_data=self.token_data, n_pad=self.n_pad,
             n_protect=self.n_protect, recent=self.recent,
-            keys=[l.keys for l in self.layers] if self._needs_kv else [],
-            values=[l.values for l in self.layers] if self._needs_kv else [], device=self.home,
+            keys=[self.layers[i].keys for i in self._kv_layers] if self._needs_kv else [],
+            values=[self.layers[i].values for i in self._kv_layers] if self._needs_kv else [], device=self.home,
             queries=[self._queries.get(l) for l in range(self.n_layers)] if self._n_queries else [],
             query_valid=self._query_valid,
         )
@@ -566,7 +671,7 @@ class EpiKVCache(Cache):
             dev = layer.device
             if dev not in on_dev:
                 on_dev[dev] = keep.to(dev, non_blocking=True)
-            if i in self._full_layers:
+            if i in self._full_layers or i in self._sliding:
                 continue
             layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self._capacity, start, still)
         first = keep[:, self._ref, 0] if per_head else keep  # [batch, K]
@@ -578,6 +683,14 @@ class EpiKVCache(Cache):
                 idx = idx.unsqueeze(1)
             self.token_data[key] = x.gather(-1, idx.expand(*x.shape[:-1], idx.shape[-1]))
         self.n_pad = (first < self.n_pad[:, None]).sum(-1)  # padding stays a prefix
+        if self._sliding and self._padded:
+            # one 2D mask serves both kinds of layer (see _padding_mask): a row may keep padding only while it keeps
+            # every real token, so that its stored padding sits at the padding's true columns
+            n = self.layers[self._ref].length
+            if bool(((self.n_pad > 0) & (n - self.n_pad != self.seen)).any()):
+                raise EpiKVError(f"{self.policy.name} evicted real tokens of a padded row while keeping its padding, "
+                                 "which a hybrid (sliding-window) model's shared mask cannot express: run that "
+                                 "prompt unpadded")
         self.evictions += 1
         self._stored_after_step = self._len_after_evict = self.layers[self._ref].length
         return keep
@@ -591,8 +704,19 @@ class EpiKVCache(Cache):
         if not 1 <= n_tokens <= other.stored_length():
             raise EpiKVError(f"prefix of {n_tokens} tokens is outside the {other.stored_length()} stored")
         batch = other.n_pad.shape[0]
+        if self._sliding != other._sliding:
+            raise EpiKVError("cannot fork a prefix from a cache of another model")
         self.begin([n_tokens] * batch)
         for src, dst in zip(other.layers, self.layers):
+            if isinstance(dst, SlidingBufferLayer):  # the window before column n_tokens, if src still holds it
+                first, start = src.cumulative - src.length, max(0, n_tokens - dst.keep_slots)
+                if start < first:
+                    raise EpiKVError(f"cannot fork a prefix of {n_tokens} tokens: the sliding-window layers have "
+                                     f"moved past it (they hold columns {first} onwards)")
+                dst.update(src.keys[:, :, start - first : n_tokens - first],
+                           src.values[:, :, start - first : n_tokens - first])
+                dst.cumulative = n_tokens
+                continue
             dst.update(src.keys[:, :, :n_tokens], src.values[:, :, :n_tokens])  # copies into our own buffers
         self.seen.fill_(n_tokens)
         self.token_data = {"pos": other.token_data["pos"][..., :n_tokens].clone()}

@@ -31,6 +31,11 @@ PRESETS: dict[str, dict] = {
     "tiny-mistral": dict(arch="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192,
                          sliding_window=None),
+    # hybrid attention (Gemma-3 layout): sliding-window layers of 16 tokens, full-attention layers 1 and 3
+    "tiny-gemma3": dict(arch="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                        vocab_size=49152, max_position_embeddings=8192, sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     "smollm2-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
                          max_position_embeddings=8192, tie_word_embeddings=True),

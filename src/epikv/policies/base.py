@@ -54,7 +54,8 @@ class StepObservation:
     n_protect: torch.Tensor | None = None  # [batch] protected real tokens (the prompt when it is protected)
     kv_heads: int = 0  # KV heads per layer (per-head token data is [batch, layers, kv_heads, n])
     # Observes.keys_values: per layer the stored keys / values [batch, kv_heads, n_old + T, head_dim], the T new
-    # tokens last (views, do not modify): what a score computed at arrival reads
+    # tokens last (views, do not modify): what a score computed at arrival reads. On a hybrid model only its
+    # full-attention layers are listed (sliding-window layers hold their window, are never evicted)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
 
@@ -69,8 +70,8 @@ class CacheView:
     n_pad: torch.Tensor  # [batch] left-padding slots at the front
     n_protect: torch.Tensor  # [batch] protected real tokens right after the padding (prompt or sinks)
     recent: int  # protected newest tokens
-    keys: list[torch.Tensor]  # per layer [batch, kv_heads, length, head_dim] (views, do not modify)
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor]  # per layer [batch, kv_heads, length, head_dim] (views, do not modify); a hybrid
+    values: list[torch.Tensor]  # model's full-attention layers only (its sliding-window layers are never evicted)
     device: torch.device
     # Observes.queries > 0: per layer the last w rotated queries [batch, heads, w, head_dim] (the newest last; None
     # for a layer outside Observes.query_layers) and which of them are real tokens [batch, w]
