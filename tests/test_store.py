@@ -4,7 +4,6 @@ lines off a terminal (epikv.progress); per-run memory (epikv.measure); retention
 import io
 import json
 import multiprocessing as mp
-import os
 import re
 import socket
 import subprocess
