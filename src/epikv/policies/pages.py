@@ -58,7 +58,7 @@ def page_keep(priority: torch.Tensor, view: "CacheView", page: int) -> torch.Ten
     keep_whole[:, -1] = True  # the page being written is never freed
     page_pr = page_pr.masked_fill(keep_whole, float("inf"))
     n_keep = min(n_pages, (view.budget - last) // page + 1)
-    need = int(keep_whole.sum(-1).max())
+    need = int(keep_whole.sum(-1).max())  # one host read per eviction: refusing beats silently evicting the prompt
     if need > n_keep:
         raise EpiKVError(f"budget {view.budget} is too small for pages of {page}: the pages holding the protected "
                          f"prompt and the recency window need {(need - 1) * page + last} slots; raise the budget or "
