@@ -7,6 +7,7 @@ runs once per trace (same chunks) and every (policy, budget) run is compared wit
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -103,6 +104,90 @@ def _stream(model, item: TraceItem, policy, budget: int | None, on_logits: Calla
     return fwd, stats, stats["max_cache_tokens"] * per_token / 2**20
 
 
+def batchable(policy) -> bool:
+    """Whether a policy's rows are independent, so traces may share one batch: a random-number generator in its
+    state is shared by the rows (each row's draws would depend on its batch-mates), so such policies run alone."""
+    def has_gen(x, seen) -> bool:
+        if isinstance(x, torch.Generator):
+            return True
+        if id(x) in seen or isinstance(x, (torch.Tensor, str, bytes, int, float, type(None))):
+            return False
+        seen.add(id(x))
+        if isinstance(x, dict):
+            return any(has_gen(v, seen) for v in x.values())
+        if isinstance(x, (list, tuple, set)):
+            return any(has_gen(v, seen) for v in x)
+        return any(has_gen(v, seen) for v in getattr(x, "__dict__", {}).values())
+
+    return not has_gen(policy.init_state(2, 1, torch.device("cpu")), set())
+
+
+def _stream_batch(model, items: Sequence[TraceItem], policy, budget: int | None,
+                  on_logits: Callable[[int, int, torch.Tensor], None]) -> list[tuple[float, dict, float]]:
+    """_stream for several traces with the same prompt length as one batch (no padding, so every row has the same
+    stored length and the shared eviction schedule is each row's own). A row whose stream ends inside the next chunk
+    leaves the batch: its last, shorter chunk runs on its own copy of the cache (its policy state selected with it),
+    so each row sees exactly the chunks and evictions of a single run. on_logits(row, j, logits [T, vocab]);
+    returns per row (forward seconds, its share of the batch forwards; cache stats; peak KV MiB)."""
+    p = len(items[0].prompt_ids)
+    if any(len(it.prompt_ids) != p for it in items):
+        raise ValueError("a batch of traces needs one prompt length")
+    ns = [len(it.ids) for it in items]
+    width = max(ns)
+    ids = torch.tensor([it.ids + [0] * (width - len(it.ids)) for it in items])  # [B, N]; the tail is never fed
+    tau = policy.tau
+    fwd = [0.0] * len(items)
+    out: list = [None] * len(items)
+
+    def finish(dec, i):
+        stats = dec.cache.stats()
+        layer = dec.cache.layers[0]
+        per_token = 2 * layer.keys.shape[1] * layer.keys.shape[-1] * layer.keys.element_size() * dec.cache.n_layers
+        out[i] = (fwd[i], stats, stats["max_cache_tokens"] * per_token / 2**20)
+
+    with torch.inference_mode(), attention_for(model, policy):
+        dec = Decoder(model, policy, budget)
+        rows = list(range(len(items)))  # batch row -> item
+        t0 = time.perf_counter()
+        last = dec.prefill(ids[:, :p], [0] * len(rows))  # [B, vocab], predicts token P
+        for i in rows:
+            fwd[i] += (time.perf_counter() - t0) / len(rows)
+            on_logits(i, 0, last[i : i + 1])
+        s = p
+        while rows:
+            stay = []
+            for r, i in enumerate(rows):
+                e = min(s + tau, ns[i] - 1)  # the last token predicts nothing we score
+                if e - s == tau:
+                    stay.append(r)
+                    continue
+                if e > s:  # a shorter last chunk: on a copy holding only this row
+                    one = copy.copy(dec)
+                    one.cache = copy.deepcopy(dec.cache)
+                    one.cache.batch_select_indices([r])
+                    t0 = time.perf_counter()
+                    logits = one.step(ids[i : i + 1, s:e], all_logits=True)[0]  # [T, vocab]
+                    fwd[i] += time.perf_counter() - t0
+                    on_logits(i, s + 1 - p, logits)
+                    finish(one, i)
+                else:  # fed to its end: the batch's stats are its own
+                    finish(dec, i)
+            if len(stay) < len(rows):
+                if stay:
+                    dec.cache.batch_select_indices(stay)
+                rows = [rows[r] for r in stay]
+            if not rows:
+                break
+            t0 = time.perf_counter()
+            logits = dec.step(ids[rows, s : s + tau], all_logits=True)  # [B, T, vocab]
+            dt = (time.perf_counter() - t0) / len(rows)
+            for r, i in enumerate(rows):
+                fwd[i] += dt
+                on_logits(i, s + 1 - p, logits[r])
+            s += tau
+    return out
+
+
 def _mib(n: int | None) -> float | None:
     return None if n is None else n / 2**20
 
@@ -140,6 +225,60 @@ def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int
     return out
 
 
+def reference_pass_batch(model, items: Sequence[TraceItem], tau: int) -> list[Reference]:
+    """reference_pass for traces of one prompt length as one batch (`_stream_batch`); the peak memory of each is
+    the batch's."""
+    n_pred = [len(it.reasoning_ids) + len(it.answer_ids) for it in items]
+    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in items]
+
+    def keep(i: int, j: int, logits: torch.Tensor) -> None:
+        logp = torch.log_softmax(logits[: n_pred[i] - j].float(), dim=-1)
+        chunks[i].append((logp, logp.argmax(-1)))
+
+    with RunPeak(model.device) as peak:
+        runs = _stream_batch(model, items, get_policy("full", tau=tau), None, keep)
+    refs = []
+    for it, ch, (secs, stats, kv) in zip(items, chunks, runs):
+        logp = torch.cat([c[0] for c in ch])
+        ref = Reference(logp=logp, top1=torch.cat([c[1] for c in ch]),
+                        targets=torch.tensor(it.reasoning_ids + it.answer_ids, device=logp.device),
+                        n_reasoning=len(it.reasoning_ids), seconds=secs,
+                        peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes))
+        ref.peak_mem_kind = peak.kind
+        refs.append(ref)
+    return refs
+
+
+def policy_pass_batch(model, items: Sequence[TraceItem], refs: Sequence[Reference], policy: str,
+                      budget: int | None, tau: int, **settings) -> list[dict]:
+    """policy_pass for traces of one prompt length as one batch; each row's metrics are its single run's."""
+    pol = get_policy(policy, tau=tau, **settings)
+    accs = [Accumulator(r) for r in refs]
+    with RunPeak(model.device) as peak:
+        runs = _stream_batch(model, items, pol, budget if pol.evicts else None, lambda i, j, x: accs[i].add(j, x))
+    outs = []
+    for acc, (secs, stats, kv) in zip(accs, runs):
+        out = acc.result()
+        out.update(seconds=secs, evictions=stats["evictions"], peak_cache_tokens=stats["max_cache_tokens"],
+                   peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes), peak_mem_kind=peak.kind)
+        outs.append(out)
+    return outs
+
+
+def batches(items: Sequence[TraceItem], size: int) -> list[list[TraceItem]]:
+    """Traces grouped into batches of at most `size` with one prompt length each (no padding: see
+    `_stream_batch`), in order of first appearance."""
+    groups: dict[int, list[list[TraceItem]]] = {}
+    order: list[list[TraceItem]] = []
+    for it in items:
+        g = groups.setdefault(len(it.prompt_ids), [])
+        if not g or len(g[-1]) >= size:
+            g.append([])
+            order.append(g[-1])
+        g[-1].append(it)
+    return order
+
+
 def reference_metrics(ref: Reference) -> dict:
     """The full cache scored against itself (zero loss by construction, computed, not assumed)."""
     acc = Accumulator(ref)
@@ -173,18 +312,24 @@ def _check_config(out_dir: Path, config: dict) -> None:
 def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, policies: Sequence[str],
                   budgets: Sequence[int], tau: int = 16, max_reasoning_tokens: int | None = None,
                   system: str | None = None, max_answer_tokens: int | None = None, model_name: str = "", settings_for: Callable[[str], dict] | None = None,
-                  log: Callable[[str], None] | None = None, quiet: bool = False) -> dict:
+                  log: Callable[[str], None] | None = None, quiet: bool = False, batch_traces: int = 1) -> dict:
     """Run every missing (trace, policy, budget) record, appending each to out_dir/results.jsonl.
 
     `full` is run once per trace (budget null); other policies once per budget. Several processes may share
     out_dir: a trace's missing records are claimed before its reference pass, so each record is computed once.
     Each record is logged as "[k/total] ...", k counting records finished (in this run or before); when stderr is
-    not a terminal a progress line with the time left also appears every 20 s. Returns a summary dict."""
+    not a terminal a progress line with the time left also appears every 20 s.
+
+    batch_traces > 1 streams up to that many traces with the same prompt length as one batch (`_stream_batch`): the
+    same metrics as one at a time (rows are independent and share the eviction schedule), faster on a CPU; policies
+    whose rows share a random generator still run one trace at a time. Returns a summary dict."""
     from ..progress import Progress
 
     settings_for = settings_for or (lambda name: {})
     if not isinstance(tau, int) or tau < 1:
         raise EpiKVError(f"tau must be a positive integer, got {tau!r}")
+    if not isinstance(batch_traces, int) or isinstance(batch_traces, bool) or batch_traces < 1:
+        raise EpiKVError(f"batch_traces must be a positive integer, got {batch_traces!r}")
     for name in policies:
         get_policy(name, tau=tau, **settings_for(name))  # unknown names and bad settings fail before any work
     out_dir = Path(out_dir)
@@ -197,6 +342,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     runs = [(name, None) if not get_policy(name).evicts else (name, b) for name in policies for b in budgets]
     runs = list(dict.fromkeys(runs))  # `full` once, whatever the budgets
     plan = [(item, [(name, b, settings_for(name)) for name, b in runs]) for item in items]
+    runs_of = {id(item): rs for item, rs in plan}
     key = lambda item, name, b, s: (item.id, name, b, json.dumps(s, sort_keys=True))  # noqa: E731
     total = len(items) * len(runs)
     already = sum(key(item, *r) in store.done for item, rs in plan for r in rs)
@@ -208,52 +354,73 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
         log(f"skipped trace {tid}: {why}")
     try:
         with store:
-            for item, rs in plan:
-                keys = [key(item, *r) for r in rs]
-                if all(k in store.done for k in keys):
+            for group in batches(items, batch_traces):
+                todo: dict[int, list] = {}  # id(item) -> its runs claimed by this process
+                for item in group:
+                    rs = runs_of[id(item)]
+                    keys = [key(item, *r) for r in rs]
+                    if all(k in store.done for k in keys):
+                        continue
+                    mine = set(store.claim(keys))  # taken by this process until written (or released on exit)
+                    finished_meanwhile = [k for k in keys if k not in mine and k in store.done]
+                    elsewhere = [k for k in keys if k not in mine and k not in store.done]
+                    progress.skip(len(finished_meanwhile) + len(elsewhere))
+                    summary["already_done"] += len(finished_meanwhile)
+                    summary["claimed_elsewhere"] += len(elsewhere)
+                    mine_runs = [r for r, k in zip(rs, keys) if k in mine]
+                    if mine_runs:
+                        todo[id(item)] = mine_runs
+                group = [it for it in group if id(it) in todo]
+                if not group:
                     continue
-                mine = set(store.claim(keys))  # taken by this process until written (or released on exit)
-                finished_meanwhile = [k for k in keys if k not in mine and k in store.done]
-                elsewhere = [k for k in keys if k not in mine and k not in store.done]
-                progress.skip(len(finished_meanwhile) + len(elsewhere))
-                summary["already_done"] += len(finished_meanwhile)
-                summary["claimed_elsewhere"] += len(elsewhere)
-                todo = [r for r, k in zip(rs, keys) if k in mine]
-                if not todo:
-                    continue
-                progress.set_status(f"{item.id}: full reference")
+                progress.set_status(f"{', '.join(it.id for it in group)}: full reference")
                 t_ref = time.perf_counter()
-                ref = reference_pass(model, item, tau)
-                ref_wall = time.perf_counter() - t_ref
-                full_metrics = reference_metrics(ref)
-                for name, b, s in todo:
-                    progress.set_status(f"{item.id}: {name} K={b}")
-                    base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau,
-                            "model": model_name, "max_reasoning_tokens": max_reasoning_tokens,
-                            "max_answer_tokens": max_answer_tokens, "settings": s,
-                            "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
-                            "answer_tokens": len(item.answer_ids), **item.meta}
+                refs = ([reference_pass(model, group[0], tau)] if len(group) == 1
+                        else reference_pass_batch(model, group, tau))
+                ref_wall = (time.perf_counter() - t_ref) / len(group)  # a batch's wall time is shared by its rows
+                fulls = [reference_metrics(r) for r in refs]
+                order = []  # the runs in plan order (settings are dicts: no set)
+                for it in group:
+                    order += [r for r in todo[id(it)] if r not in order]
+                for name, b, s in order:
+                    rows = [i for i, it in enumerate(group) if (name, b, s) in todo[id(it)]]
+                    progress.set_status(f"{', '.join(group[i].id for i in rows)}: {name} K={b}")
                     t0 = time.perf_counter()
                     try:
-                        m = dict(full_metrics) if name == "full" else policy_pass(model, item, ref, name, b, tau, **s)
-                    except EpiKVError as e:  # e.g. a budget below the protected prompt: this record only
-                        progress.update(1)
-                        store.release([key(item, name, b, s)])
-                        log(f"[{progress.n}/{total}] {item.id} {name} K={b}: not run: {e}")
-                        summary["failed"].append((item.id, name, b, str(e)))
+                        if name == "full":
+                            ms = [dict(fulls[i]) for i in rows]
+                        elif len(rows) > 1 and batchable(get_policy(name, tau=tau, **s)):
+                            ms = policy_pass_batch(model, [group[i] for i in rows], [refs[i] for i in rows], name, b,
+                                                   tau, **s)
+                        else:
+                            ms = [policy_pass(model, group[i], refs[i], name, b, tau, **s) for i in rows]
+                    except EpiKVError as e:  # e.g. a budget below the protected prompt (the same for a batch's rows)
+                        for i in rows:
+                            progress.update(1)
+                            store.release([key(group[i], name, b, s)])
+                            log(f"[{progress.n}/{total}] {group[i].id} {name} K={b}: not run: {e}")
+                            summary["failed"].append((group[i].id, name, b, str(e)))
                         continue
-                    full_nll = full_metrics["answer_nll"]
                     # `full` is the shared reference pass: its wall time is that pass's
-                    wall = ref_wall if name == "full" else time.perf_counter() - t0
-                    rec = {**base, **m, "full_answer_nll": full_nll, "answer_nll_increase": m["answer_nll"] - full_nll,
-                           "wall_s": wall,
-                           "tokens_per_s": (len(item.ids) - len(item.prompt_ids)) / max(m["seconds"], 1e-9)}
-                    store.append([rec])
-                    summary["written"] += 1
-                    progress.update(1)
-                    log(f"[{progress.n}/{total}] {item.id} {name} K={b}: answer NLL {rec['answer_nll_increase']:+.4f}, "
-                        f"top-1 {100 * rec['top1_agreement']:.1f}%, KL {rec['kl']:.4f} ({m['seconds']:.1f} s)")
-                del ref
+                    wall = ref_wall if name == "full" else (time.perf_counter() - t0) / len(rows)
+                    for i, m in zip(rows, ms):
+                        item = group[i]
+                        base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau,
+                                "model": model_name, "max_reasoning_tokens": max_reasoning_tokens,
+                                "max_answer_tokens": max_answer_tokens, "settings": s,
+                                "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
+                                "answer_tokens": len(item.answer_ids), **item.meta}
+                        full_nll = fulls[i]["answer_nll"]
+                        rec = {**base, **m, "full_answer_nll": full_nll,
+                               "answer_nll_increase": m["answer_nll"] - full_nll, "wall_s": wall,
+                               "tokens_per_s": (len(item.ids) - len(item.prompt_ids)) / max(m["seconds"], 1e-9)}
+                        store.append([rec])
+                        summary["written"] += 1
+                        progress.update(1)
+                        log(f"[{progress.n}/{total}] {item.id} {name} K={b}: answer NLL "
+                            f"{rec['answer_nll_increase']:+.4f}, top-1 {100 * rec['top1_agreement']:.1f}%, "
+                            f"KL {rec['kl']:.4f} ({m['seconds']:.1f} s)")
+                del refs
     finally:
         progress.close()
     summary["results"] = str(results)
