@@ -155,6 +155,17 @@ def test_retention_counter_after_a_resume(traces, tmp_path, capsys, monkeypatch)
     assert re.findall(r"^retention: (\d+)/4 records", err, re.M) == ["3", "4", "4"]
 
 
+def test_retention_counter_after_a_resume_inside_a_trace(traces, tmp_path, capsys, monkeypatch):
+    """A trace with some of its records done (a run killed between two policies) is not counted twice."""
+    monkeypatch.setenv("EPIKV_PROGRESS_SECONDS", "0")
+    out = tmp_path / "r"
+    assert main(_retention(traces, out, "--limit", "1", "--policies", "full")) == 0  # t0: full done, epikv not
+    capsys.readouterr()
+    assert main(_retention(traces, out)) == 0
+    err = capsys.readouterr().err
+    assert re.findall(r"^\[(\d+)/(\d+)\]", err, re.M) == [("2", "4"), ("3", "4"), ("4", "4")]
+
+
 def test_retention_help_names_its_tau_default(capsys):
     with pytest.raises(SystemExit):
         main(["retention", "--help"])

@@ -345,7 +345,8 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     runs_of = {id(item): rs for item, rs in plan}
     key = lambda item, name, b, s: (item.id, name, b, json.dumps(s, sort_keys=True))  # noqa: E731
     total = len(items) * len(runs)
-    already = sum(key(item, *r) in store.done for item, rs in plan for r in rs)
+    done_at_start = {key(item, *r) for item, rs in plan for r in rs if key(item, *r) in store.done}
+    already = len(done_at_start)  # counted once here, not again when their trace comes up
     summary = {"written": 0, "already_done": already, "skipped_traces": skipped, "failed": [],
                "claimed_elsewhere": 0}
     progress = Progress("retention", total=total, unit="records", done=already, quiet=quiet, bar=False)
@@ -362,7 +363,8 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                     if all(k in store.done for k in keys):
                         continue
                     mine = set(store.claim(keys))  # taken by this process until written (or released on exit)
-                    finished_meanwhile = [k for k in keys if k not in mine and k in store.done]
+                    finished_meanwhile = [k for k in keys
+                                          if k not in mine and k in store.done and k not in done_at_start]
                     elsewhere = [k for k in keys if k not in mine and k not in store.done]
                     progress.skip(len(finished_meanwhile) + len(elsewhere))
                     summary["already_done"] += len(finished_meanwhile)
