@@ -6,7 +6,6 @@ from `output_hidden_states` of one plain forward (no cache, no hooks). (c) eps o
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -14,21 +13,12 @@ import torch
 from epikv.engine import Decoder
 from epikv.policies import StepObservation, get_policy
 from epikv.signals import scale_layer
+from test_signals import naive_z  # tests/ is on sys.path (pytest's default import mode)
 
 
-def oracle_z(g: list[float], window: int = 64, eps: float = 1e-6) -> list[float]:
-    """Causal rolling z-score, written from METHOD.md section 1: population std over the trailing `window` values
-    (newest included), 0 while fewer than 2 values exist."""
-    out = []
-    for t in range(len(g)):
-        w = g[max(0, t - window + 1) : t + 1]
-        if len(w) < 2:
-            out.append(0.0)
-            continue
-        mean = sum(w) / len(w)
-        std = math.sqrt(sum((x - mean) ** 2 for x in w) / len(w))
-        out.append((g[t] - mean) / (std + eps))
-    return out
+def oracle_z(g: list[float]) -> list[float]:
+    """METHOD.md's causal rolling z-score over W = 64, written independently of epikv.signals."""
+    return naive_z(g, window=64)
 
 
 def test_epikv_scores_equal_an_oracle_from_output_hidden_states(smollm2):

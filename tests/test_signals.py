@@ -9,6 +9,8 @@ from epikv.signals import HiddenDelta, RollingStats, lag_normalised_spread, scal
 
 
 def naive_z(values, window, eps=1e-6):
+    """Causal rolling z-score written from METHOD.md section 1 (also the oracle of tests/test_score_oracle.py):
+    population std over the trailing `window` values (newest included), 0 while fewer than 2 values exist."""
     out = []
     for t in range(len(values)):
         w = values[max(0, t - window + 1) : t + 1]

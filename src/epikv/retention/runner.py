@@ -203,6 +203,11 @@ def reference_pass(model, item: TraceItem, tau: int) -> Reference:
 
     with RunPeak(model.device) as peak:  # this pass's own peak (CUDA allocator, else sampled RSS)
         secs, stats, kv = _stream(model, item, get_policy("full", tau=tau), None, keep)
+    return _reference(item, chunks, secs, stats, kv, peak)
+
+
+def _reference(item: TraceItem, chunks, secs: float, stats: dict, kv: float, peak) -> Reference:
+    """The full cache's per-chunk log-probabilities of one trace, joined into its Reference."""
     logp = torch.cat([c[0] for c in chunks])
     ref = Reference(logp=logp, top1=torch.cat([c[1] for c in chunks]),
                     targets=torch.tensor(item.reasoning_ids + item.answer_ids, device=logp.device),
@@ -237,16 +242,7 @@ def reference_pass_batch(model, items: Sequence[TraceItem], tau: int) -> list[Re
 
     with RunPeak(model.device) as peak:
         runs = _stream_batch(model, items, get_policy("full", tau=tau), None, keep)
-    refs = []
-    for it, ch, (secs, stats, kv) in zip(items, chunks, runs):
-        logp = torch.cat([c[0] for c in ch])
-        ref = Reference(logp=logp, top1=torch.cat([c[1] for c in ch]),
-                        targets=torch.tensor(it.reasoning_ids + it.answer_ids, device=logp.device),
-                        n_reasoning=len(it.reasoning_ids), seconds=secs,
-                        peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes))
-        ref.peak_mem_kind = peak.kind
-        refs.append(ref)
-    return refs
+    return [_reference(it, ch, secs, stats, kv, peak) for it, ch, (secs, stats, kv) in zip(items, chunks, runs)]
 
 
 def policy_pass_batch(model, items: Sequence[TraceItem], refs: Sequence[Reference], policy: str,
