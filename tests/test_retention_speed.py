@@ -25,14 +25,6 @@ def traces(n_steps=(5, 3, 4), answers=("The answer is 27.", "So \\boxed{12}, as 
              "trace": f"<think>\n{_steps(n, j + 3)}\n</think>\n{a}"} for j, (n, a) in enumerate(zip(n_steps, answers))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _records(path):
     return {(r["trace_id"], r["policy"], r["budget"]): r for r in read_records(path / "results.jsonl")}
 
