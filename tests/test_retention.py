@@ -291,3 +291,34 @@ def test_report_over_two_fresh_folders_matches_the_records(tmp_path, capsys):
         assert cell.startswith(f"{diff:+.4f} [")
         assert f"better on {sum(s[t] < e[t] for t in s)}/2" in cell
     assert (out / "retention_top1_agreement.png").stat().st_size > 5000
+
+
+def test_tail_metric_covers_the_last_reasoning_tokens_before_think_end():
+    """tail_nll / tail_kl average the TAIL positions that predict the last body tokens before `</think>`: not the
+    tag's own tokens, not the answer."""
+    from epikv.retention.metrics import TAIL, Accumulator, Reference
+
+    r, body, a, vocab = TAIL + 60, TAIL + 57, 5, 4  # 3 tokens of </think>
+    n = r + a
+    targets = torch.zeros(n, dtype=torch.long)
+    ref_logp = torch.full((n, vocab), math.log(1 / vocab))
+    ref = Reference(logp=ref_logp, top1=ref_logp.argmax(-1), targets=targets, n_reasoning=r, n_body=body)
+    p = torch.linspace(0.05, 0.95, n)  # probability of the target at each position
+    logp = torch.log(torch.stack([p, *(((1 - p) / (vocab - 1)),) * (vocab - 1)], dim=-1))
+    acc = Accumulator(ref)
+    acc.add_logp(0, logp)
+    out = acc.result()
+    nll = -torch.log(p).double()
+    assert out["tail_nll"] == pytest.approx(float(nll[body - TAIL : body].mean()), rel=1e-6)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).double()
+    assert out["tail_kl"] == pytest.approx(float(kl[body - TAIL : body].mean()), rel=1e-6)
+    assert out["reasoning_nll"] == pytest.approx(float(nll[:r].mean()), rel=1e-6)
+
+
+def test_prepare_traces_records_the_body_length(tiny):
+    tok = tiny.tokenizer
+    rows = [{"id": "t", "problem": "2+2?", "trace": "four is the sum</think>4"}]
+    items, _ = prepare_traces(rows, tok)
+    body = tok("four is the sum", add_special_tokens=False)["input_ids"]
+    assert items[0].n_body == len(body) and items[0].reasoning_ids[: len(body)] == body
+    assert len(items[0].reasoning_ids) > len(body)  # the tag's tokens follow

@@ -24,6 +24,10 @@ class Reference:
     peak_cache_tokens: int = 0
     peak_kv_mib: float = 0.0
     peak_mem_mib: float | None = None
+    n_body: int | None = None  # reasoning positions before `</think>`'s tokens (None: n_reasoning)
+
+
+TAIL = 256  # the last reasoning tokens before `</think>`: where the answer is prepared
 
 
 class Accumulator:
@@ -60,7 +64,10 @@ class Accumulator:
         def mean(x, lo, hi):
             return float(x[lo:hi].mean()) if hi > lo else None
 
+        body = r if self.ref.n_body is None else self.ref.n_body
+        tail = max(0, body - TAIL)
         return {
+            "tail_nll": mean(nll, tail, body), "tail_kl": mean(kl, tail, body),
             "top1_agreement": mean(agree, 0, r), "kl": mean(kl, 0, r), "reasoning_nll": mean(nll, 0, r),
             "answer_nll": mean(nll, r, n), "answer_top1_agreement": mean(agree, r, n), "answer_kl": mean(kl, r, n),
         }

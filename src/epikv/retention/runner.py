@@ -35,6 +35,7 @@ class TraceItem:
     reasoning_ids: list[int]  # ends with the tokens of `</think>`
     answer_ids: list[int]
     meta: dict
+    n_body: int | None = None  # reasoning tokens before `</think>` (None: all of reasoning_ids)
 
     @property
     def ids(self) -> list[int]:
@@ -76,7 +77,7 @@ def prepare_traces(rows: Sequence[dict], tokenizer, max_reasoning_tokens: int | 
         reasoning = body_ids + tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:max_answer_tokens]
         meta = {k: row[k] for k in ("source_model", "is_correct") if k in row}
-        items.append(TraceItem(tid, list(prompt_ids), list(reasoning), list(answer_ids), meta))
+        items.append(TraceItem(tid, list(prompt_ids), list(reasoning), list(answer_ids), meta, len(body_ids)))
     return items, skipped
 
 
@@ -188,31 +189,48 @@ def _stream_batch(model, items: Sequence[TraceItem], policy, budget: int | None,
     return out
 
 
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
 def _mib(n: int | None) -> float | None:
     return None if n is None else n / 2**20
 
 
+class _RefBuffer:
+    """The full cache's log-probabilities of one trace, written chunk by chunk into one preallocated tensor (a whole
+    8k-token trace is ~1.5 GiB of float32 log-probabilities on a 49k vocabulary: no second copy from a concatenation)."""
+
+    def __init__(self, item: TraceItem) -> None:
+        self.n = len(item.reasoning_ids) + len(item.answer_ids)
+        self.logp: torch.Tensor | None = None  # [n, vocab], allocated at the first chunk (vocab and device known)
+        self.top1: torch.Tensor | None = None
+
+    def __call__(self, j: int, logits: torch.Tensor) -> None:
+        x = logits[: self.n - j].float()
+        if self.logp is None:
+            self.logp = torch.empty(self.n, x.shape[-1], dtype=torch.float32, device=x.device)
+            self.top1 = torch.empty(self.n, dtype=torch.long, device=x.device)
+        out = self.logp[j : j + x.shape[0]]
+        torch.log_softmax(x, dim=-1, out=out)
+        self.top1[j : j + x.shape[0]] = out.argmax(-1)
+
+
 def reference_pass(model, item: TraceItem, tau: int) -> Reference:
     """The full cache's log-probabilities at every predicted position, streamed in the same chunks of tau."""
-    n_pred = len(item.reasoning_ids) + len(item.answer_ids)
-    chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def keep(j: int, logits: torch.Tensor) -> None:
-        logp = torch.log_softmax(logits[: n_pred - j].float(), dim=-1)
-        chunks.append((logp, logp.argmax(-1)))
-
+    buf = _RefBuffer(item)
     with RunPeak(model.device) as peak:  # this pass's own peak (CUDA allocator, else sampled RSS)
-        secs, stats, kv = _stream(model, item, get_policy("full", tau=tau), None, keep)
-    return _reference(item, chunks, secs, stats, kv, peak)
+        secs, stats, kv = _stream(model, item, get_policy("full", tau=tau), None, buf)
+    return _reference(item, buf, secs, stats, kv, peak)
 
 
-def _reference(item: TraceItem, chunks, secs: float, stats: dict, kv: float, peak) -> Reference:
-    """The full cache's per-chunk log-probabilities of one trace, joined into its Reference."""
-    logp = torch.cat([c[0] for c in chunks])
-    ref = Reference(logp=logp, top1=torch.cat([c[1] for c in chunks]),
-                    targets=torch.tensor(item.reasoning_ids + item.answer_ids, device=logp.device),
+def _reference(item: TraceItem, buf: _RefBuffer, secs: float, stats: dict, kv: float, peak) -> Reference:
+    """One trace's Reference from its filled buffer."""
+    ref = Reference(logp=buf.logp, top1=buf.top1,
+                    targets=torch.tensor(item.reasoning_ids + item.answer_ids, device=buf.logp.device),
                     n_reasoning=len(item.reasoning_ids), seconds=secs,
-                    peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes))
+                    peak_cache_tokens=stats["max_cache_tokens"], peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes),
+                    n_body=item.n_body)
     ref.peak_mem_kind = peak.kind
     return ref
 
@@ -233,16 +251,10 @@ def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int
 def reference_pass_batch(model, items: Sequence[TraceItem], tau: int) -> list[Reference]:
     """reference_pass for traces of one prompt length as one batch (`_stream_batch`); the peak memory of each is
     the batch's."""
-    n_pred = [len(it.reasoning_ids) + len(it.answer_ids) for it in items]
-    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in items]
-
-    def keep(i: int, j: int, logits: torch.Tensor) -> None:
-        logp = torch.log_softmax(logits[: n_pred[i] - j].float(), dim=-1)
-        chunks[i].append((logp, logp.argmax(-1)))
-
+    bufs = [_RefBuffer(it) for it in items]
     with RunPeak(model.device) as peak:
-        runs = _stream_batch(model, items, get_policy("full", tau=tau), None, keep)
-    return [_reference(it, ch, secs, stats, kv, peak) for it, ch, (secs, stats, kv) in zip(items, chunks, runs)]
+        runs = _stream_batch(model, items, get_policy("full", tau=tau), None, lambda i, j, x: bufs[i](j, x))
+    return [_reference(it, b, secs, stats, kv, peak) for it, b, (secs, stats, kv) in zip(items, bufs, runs)]
 
 
 def policy_pass_batch(model, items: Sequence[TraceItem], refs: Sequence[Reference], policy: str,
@@ -410,7 +422,8 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                                 "answer_tokens": len(item.answer_ids), **item.meta}
                         full_nll = fulls[i]["answer_nll"]
                         rec = {**base, **m, "full_answer_nll": full_nll,
-                               "answer_nll_increase": m["answer_nll"] - full_nll, "wall_s": wall,
+                               "answer_nll_increase": m["answer_nll"] - full_nll,
+                               "tail_nll_increase": _diff(m.get("tail_nll"), fulls[i].get("tail_nll")), "wall_s": wall,
                                "tokens_per_s": (len(item.ids) - len(item.prompt_ids)) / max(m["seconds"], 1e-9)}
                         store.append([rec])
                         summary["written"] += 1
