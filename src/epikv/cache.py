@@ -130,6 +130,20 @@ class BufferLayer(DynamicLayer):
         self.length = k_new
         self._refresh_views()
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, new_length: int) -> None:
+        """Copy slot src[b, i] to dst[b, i] (both [batch, m], relative to the used run) for every head, then keep
+        the first `new_length` slots: an eviction that refills its holes below new_length with the kept slots above
+        it moves m slots instead of a quarter of the cache. Sources and destinations must be disjoint except for
+        slots copied onto themselves."""
+        b, h, _, _ = self.keys.shape
+        m = src.shape[-1]
+        for x in (self.keys, self.values):  # views of the buffers: written in place
+            d = x.shape[-1]
+            moved = x.gather(2, src[:, None, :, None].expand(b, h, m, d))  # read every source before any write
+            x.scatter_(2, dst[:, None, :, None].expand(b, h, m, d), moved)
+        self.length = new_length
+        self._refresh_views()
+
     def reset(self) -> None:
         self.length = self.off = self.cumulative = 0
         self._kbuf = self._vbuf = None
@@ -174,6 +188,26 @@ class SlidingBufferLayer(BufferLayer):
 
     def get_max_length(self) -> int:
         return self.window
+
+
+def hole_fill(kept: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Refill an eviction's holes in place: kept [batch, K] are the physical slots kept, in the policy's (true
+    position) order. The kept slots at K or beyond move into the free slots below K, the i-th of them (in kept order)
+    into the i-th free slot (ascending). m >= the number that move (the slots evicted, at most K).
+
+    Returns (src, dst, new_kept): [batch, m] physical moves (padded with slots copied onto themselves, so every row
+    has m entries without a host sync) and [batch, K] the kept slots' physical places after the moves."""
+    b, k = kept.shape
+    dev = kept.device
+    stays = kept < k  # [batch, K]
+    taken = torch.zeros(b, k + 1, dtype=torch.bool, device=dev)
+    taken.scatter_(1, kept.clamp(max=k), True)  # column k collects every slot at or beyond K
+    m = min(m, k)
+    free = (taken[:, :k]).to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # free slots first, ascending
+    movers = stays.to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # kept entries beyond K first, in order
+    src = kept.gather(1, movers)
+    dst = torch.where(stays.gather(1, movers), src, free)  # a non-mover (a row with fewer moves) stays put
+    return src, dst, kept.scatter(1, movers, dst)
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -407,6 +441,13 @@ class EpiKVCache(Cache):
         if obs.attention_layers and getattr(model.config, "_attn_implementation", "eager") != "eager":
             raise EpiKVError(f"policy {self.policy.name} reads attention weights and needs eager attention "
                              f"(the model uses {model.config._attn_implementation})")
+        # Policies that read no keys, values or attention weights see the cache through token data only, so an
+        # eviction may refill its holes with the newest kept slots instead of compacting in order (`hole_fill`):
+        # slot order then differs from true-position order, kept in `_phys`. Attention does not depend on slot
+        # order (positions are applied when a key is written), and new tokens always append after every stored
+        # slot, so multi-token feeds keep their causal layout.
+        self._refill = self.policy.evicts and not (obs.keys_values or obs.attention_layers or obs.queries)
+        self._phys: torch.Tensor | None = None  # [batch, n] physical slot of each stored token, in true order
         self._capture_hidden = frozenset(obs.hidden_layers)
         self._capture_attn = frozenset(obs.attention_layers)
         self._needs_kv = obs.keys_values
@@ -630,6 +671,9 @@ class EpiKVCache(Cache):
         n_old = self._stored_after_step
         new = self.policy.on_tokens(self.state, obs)
         new["pos"] = pos  # true position of every stored token, kept aligned through evictions
+        if self._phys is not None:  # the new tokens were written after every stored slot
+            self._phys = torch.cat([self._phys, torch.arange(n_old, n_old + t, device=self._phys.device)
+                                    .expand(self._phys.shape[0], t)], dim=1)
         for key, x in new.items():
             x = x.to(self.home)
             if key in self.token_data and x.shape[-1] != n_old + t:  # new tokens only: append
@@ -657,23 +701,18 @@ class EpiKVCache(Cache):
         view = self.view()
         keep = self.policy.keep(self.state, view)  # [batch, K] or [batch, layers, heads, K], K <= budget
         per_head = keep.dim() == 4
-        start = still = 0
-        if keep.device.type == "cpu":
-            # Kept runs that need not move: slots before the first evicted one, and after the last one. Reading them
-            # is free on the CPU; on an accelerator it would be a host sync, so there every slot moves.
-            k, n_old = keep.shape[-1], view.length
-            front = (keep == torch.arange(k)).flatten(0, -2).all(0)  # [K]
-            back = (keep == torch.arange(n_old - k, n_old)).flatten(0, -2).all(0)
-            start = k if bool(front.all()) else int((~front).int().argmax())
-            still = k if bool(back.all()) else int((~back).int().flip(0).argmax())  # trailing run
-        on_dev: dict[torch.device, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            dev = layer.device
-            if dev not in on_dev:
-                on_dev[dev] = keep.to(dev, non_blocking=True)
-            if i in self._full_layers or i in self._sliding:
-                continue
-            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self._capacity, start, still)
+        k, n_old = keep.shape[-1], view.length
+        phys = keep  # the kept tokens' physical slots, in true order
+        if self._phys is not None:
+            p = self._phys.to(keep.device)
+            phys = p.gather(1, keep) if not per_head else p[:, None, None, :].expand(*keep.shape[:3], -1).gather(-1, keep)
+        ref = self.layers[self._ref]
+        if (self._refill and not per_head and not self._padded and n_old > k
+                and ref.capacity <= 2 * self._capacity):
+            self._refill_holes(phys, n_old - k)
+        else:
+            self._compact(phys, per_head, k, n_old)
+            self._phys = None  # compaction writes the kept tokens in true order
         first = keep[:, self._ref, 0] if per_head else keep  # [batch, K]
         for key, x in self.token_data.items():
             # per-token data [batch, n] follows layer 0 / head 0 under per-head keeps; [batch, layers, heads, n]
@@ -694,6 +733,37 @@ class EpiKVCache(Cache):
         self.evictions += 1
         self._stored_after_step = self._len_after_evict = self.layers[self._ref].length
         return keep
+
+    def _refill_holes(self, phys: torch.Tensor, m: int) -> None:
+        """Eviction by refilling: the kept slots beyond K move into the evicted slots below K (`hole_fill`)."""
+        moves: dict[torch.device, tuple] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self._full_layers or i in self._sliding:
+                continue
+            dev = layer.device
+            if dev not in moves:
+                moves[dev] = hole_fill(phys.to(dev, non_blocking=True), m)
+            layer.move_slots(moves[dev][0], moves[dev][1], phys.shape[-1])
+        self._phys = moves[next(iter(moves))][2].to(self.home)
+
+    def _compact(self, keep: torch.Tensor, per_head: bool, k: int, n_old: int) -> None:
+        """Eviction by compaction: the kept slots `keep` (physical) in this order, every layer."""
+        start = still = 0
+        if keep.device.type == "cpu":
+            # Kept runs that need not move: slots before the first evicted one, and after the last one. Reading them
+            # is free on the CPU; on an accelerator it would be a host sync, so there every slot moves.
+            front = (keep == torch.arange(k)).flatten(0, -2).all(0)  # [K]
+            back = (keep == torch.arange(n_old - k, n_old)).flatten(0, -2).all(0)
+            start = k if bool(front.all()) else int((~front).int().argmax())
+            still = k if bool(back.all()) else int((~back).int().flip(0).argmax())  # trailing run
+        on_dev: dict[torch.device, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            dev = layer.device
+            if dev not in on_dev:
+                on_dev[dev] = keep.to(dev, non_blocking=True)
+            if i in self._full_layers or i in self._sliding:
+                continue
+            layer.compact(on_dev[dev][:, i] if per_head else on_dev[dev], self._capacity, start, still)
 
     def load_prefix(self, other: "EpiKVCache", n_tokens: int) -> None:
         """Start this (fresh) cache as a copy of the first `n_tokens` stored tokens of `other`, batch row by row
@@ -756,6 +826,8 @@ class EpiKVCache(Cache):
         for layer in self.layers:
             layer.select_rows(idx)
         self.token_data = {k: v.index_select(0, idx.to(v.device)) for k, v in self.token_data.items()}
+        if self._phys is not None:
+            self._phys = self._phys.index_select(0, idx.to(self._phys.device))
         self.n_pad, self.n_protect, self.seen = (x.index_select(0, idx) for x in (self.n_pad, self.n_protect, self.seen))
         self._queries = {l: q.index_select(0, idx.to(q.device)) for l, q in self._queries.items()}
         if self._query_valid is not None:

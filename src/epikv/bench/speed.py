@@ -116,9 +116,52 @@ class _Run:
                 "evictions": self.dec.cache.evictions}
 
 
+HF = "transformers"  # the label of the second reference: transformers' model.generate with its DynamicCache
+
+
+class _HFRun:
+    """transformers' own decoding as users run it: `model.generate` (greedy, `round_steps` new tokens per call)
+    continuing one `DynamicCache`, filled to the same length as the `full` policy's cache."""
+
+    def __init__(self, model, fill_to: int, ids: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        from ..cache import cache_kwarg
+
+        self.cfg = SpeedConfig(HF, HF, None)
+        self.model = model
+        self.kw = {cache_kwarg(model): DynamicCache()}
+        self.times: list[float] = []
+        self.lengths: list[int] = []
+        dev = model.get_input_embeddings().weight.device
+        self.dev = torch.device(dev)
+        x = ids[:, :fill_to].to(dev)
+        with torch.inference_mode():
+            logits = model(input_ids=x, use_cache=True, **self.kw).logits[:, -1]
+        self.seq = torch.cat([x, logits.argmax(-1, keepdim=True)], dim=1)  # the cache holds all but the last
+
+    def round(self, steps: int) -> None:
+        synchronize(self.dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.seq = self.model.generate(input_ids=self.seq, attention_mask=torch.ones_like(self.seq),
+                                           max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                           pad_token_id=0, **self.kw)
+        synchronize(self.dev)
+        self.times.append((time.perf_counter() - t0) / steps)
+        self.lengths.append(self.seq.shape[1] - 1)
+
+    def summary(self) -> dict:
+        med = statistics.median(self.times)
+        return {"label": HF, "policy": HF, "tau": None, "attention_free": True, "evicts": False,
+                "ms_per_token": med * 1e3, "tokens_per_s": 1.0 / med,
+                "round_ms_per_token": [t * 1e3 for t in self.times], "cache_length_after_round": self.lengths,
+                "evictions": 0}
+
+
 def run_budget(model, configs: list[SpeedConfig], budget: int, gen_tokens: int, round_steps: int | None = None,
                prompt_tokens: int = 64, fill_chunk: int = 256, seed: int = 0,
-               on_round: Callable[[int, int], None] | None = None) -> dict:
+               on_round: Callable[[int, int], None] | None = None, transformers_reference: bool = False) -> dict:
     """Time every config at cache budget K = `budget`; returns per-config medians and the ratios."""
     taus = [c.tau for c in configs if c.tau]
     round_steps = round_steps or (max(taus) if taus else 32)
@@ -135,6 +178,8 @@ def run_budget(model, configs: list[SpeedConfig], budget: int, gen_tokens: int, 
             evicts = REGISTRY[cfg.policy].evicts
             fill_to = budget if evicts else max(prompt_tokens, budget - gen_tokens // 2)
             runs.append(_Run(model, cfg, budget, fill_to, prompt, ids, fill_chunk))
+        if transformers_reference:  # at full's cache length
+            runs.append(_HFRun(model, max(prompt_tokens, budget - gen_tokens // 2), ids))
         # warm-up round (not recorded): first-call allocations, kernel selection, caches
         for r in runs:
             r.round(min(4, round_steps))
@@ -155,8 +200,11 @@ def ratios(rows: list[dict]) -> dict:
     by = {(r["policy"], r["tau"]): r["ms_per_token"] for r in rows}
     out: dict = {}
     if FULL in ms:
-        out["speedup_vs_full"] = {k: ms[FULL] / v for k, v in ms.items() if k != FULL}
+        out["speedup_vs_full"] = {k: ms[FULL] / v for k, v in ms.items() if k not in (FULL, HF)}
         out["epikv_overhead_vs_sdpa_step"] = {f"tau={t}": v / ms[FULL] - 1 for (p, t), v in by.items() if p == EPIKV}
+        out["overhead_vs_full"] = {k: v / ms[FULL] - 1 for k, v in ms.items() if k not in (FULL, HF)}
+    if HF in ms:  # > 0: slower than transformers' own generate with a DynamicCache at the same length
+        out["overhead_vs_transformers"] = {k: v / ms[HF] - 1 for k, v in ms.items() if k != HF}
     epi = {t: v for (p, t), v in by.items() if p == EPIKV}
     attn = [r for r in rows if not r["attention_free"]]
     if epi and attn:  # each attention-based config against epikv at the same tau (else epikv's smallest tau)

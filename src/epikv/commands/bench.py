@@ -35,6 +35,9 @@ def register(sub) -> None:
     s.add_argument("--long-policies", type=name_list, default=["full", "epikv"])
     s.add_argument("--long-budget", type=positive_int, default=None, help="budget K of the long runs (default: first)")
     s.add_argument("--no-long", action="store_true", help="skip the long generations")
+    s.add_argument("--no-transformers", action="store_true",
+                   help="leave out the second reference, transformers' model.generate with a DynamicCache at full's "
+                        "cache length (timed in the same rounds; on by default when full is benchmarked)")
     s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB)")
     s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     s.add_argument("--seed", type=int, default=0)
@@ -143,14 +146,16 @@ def run_speed(args) -> int:
     try:
         blocks = []
         for k in args.budgets:
-            key = json.dumps(["speed", args.model, device, dtype, k, [c.label for c in configs], args.gen_tokens,
-                              args.round_steps, args.prompt_tokens, args.seed])
+            hf = "full" in names and not args.no_transformers
+            key = json.dumps(["speed", args.model, device, dtype, k, [c.label for c in configs] + (["transformers"] if hf else []),
+                              args.gen_tokens, args.round_steps, args.prompt_tokens, args.seed])
             if key in jr.done:
                 print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
                 blocks.append(jr.done[key]["block"])
                 continue
             block = run_budget(lm.model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens,
-                               seed=args.seed, on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"))
+                               seed=args.seed, on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"),
+                               transformers_reference=hf)
             jr.add({"key": key, "block": block})
             blocks.append(block)
             _print_block(block)

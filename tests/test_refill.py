@@ -1,0 +1,88 @@
+"""Eviction by refilling holes: the kept slots beyond K move into the evicted slots below K, so slot order is no
+longer true-position order (the cache keeps the map). Attention must not notice: every step's logits equal the full
+model's under a 4D mask of the tokens the cache held, for single tokens and multi-token chunks."""
+
+import pytest
+import torch
+
+from epikv.cache import hole_fill
+from epikv.engine import Decoder
+
+
+def test_hole_fill_moves_only_the_tail_into_the_holes():
+    k = 6
+    kept = torch.tensor([[0, 2, 3, 5, 7, 8],  # holes 1, 4 <- 7, 8
+                         [0, 1, 2, 3, 4, 9],  # hole 5 <- 9
+                         [0, 1, 2, 3, 4, 5]])  # nothing moves
+    buf = torch.arange(10).repeat(3, 1)  # slot s holds token s
+    src, dst, new = hole_fill(kept, m=4)
+    assert src.shape == dst.shape == (3, 4)
+    buf.scatter_(1, dst, buf.gather(1, src))
+    assert bool((new < k).all())
+    assert torch.equal(buf.gather(1, new), kept)  # each kept token is where the map says
+    assert new.tolist() == [[0, 2, 3, 5, 1, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
+    moved = (src != dst).sum(1).tolist()
+    assert moved == [2, 1, 0]  # one move per evicted slot below K, not a compaction
+
+
+def _oracle_logits(model, ids, allowed):
+    """Logits of every fed position under a 4D mask: row t sees the positions in allowed[t]."""
+    n = ids.shape[1]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for t, ps in allowed.items():
+        mask[t, list(ps)] = True
+    rows = sorted(allowed)
+    for t in range(n):  # rows we do not check: plain causal (they must not be all-masked)
+        if t not in allowed:
+            mask[t, : t + 1] = True
+    return model(ids, attention_mask=mask[None, None]).logits[0, rows], rows
+
+
+@pytest.mark.parametrize("policy", ["epikv", "streaming", "random"])
+@pytest.mark.parametrize("tau,chunk", [(1, 1), (3, 1), (4, 4)])
+def test_refilled_cache_equals_the_masked_full_model(tiny, policy, tau, chunk):
+    m = tiny.model
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 2000, (1, 90), generator=g)
+    p, budget = 6, 20
+    allowed, got = {}, {}
+    reordered = False
+    with torch.inference_mode():
+        dec = Decoder(m, policy, budget=budget, tau=tau, recent=4)
+        dec.prefill(ids[:, :p], [0])
+        for s in range(p, ids.shape[1], chunk):
+            before = dec.cache.token_data["pos"][0].tolist()
+            logits = dec.step(ids[:, s : s + chunk], all_logits=True)[0]  # [chunk, vocab]
+            for j in range(chunk):
+                allowed[s + j] = set(before) | set(range(s, s + j + 1))
+                got[s + j] = logits[j]
+            phys = dec.cache._phys
+            if phys is not None and not torch.equal(phys[0], phys[0].sort().values):
+                reordered = True
+        assert dec.cache.evictions > 10
+        ref, rows = _oracle_logits(m, ids, allowed)
+    assert reordered, "the refill path was never taken: slots stayed in true order"
+    got = torch.stack([got[t] for t in rows])
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keydiff", "lag-kv"])
+def test_policies_reading_the_cache_keep_true_order(tiny, policy):
+    """Attention weights and keys are read in slot order: those policies keep the compacted, true-order layout."""
+    m = tiny.model
+    ids = torch.randint(10, 2000, (1, 60), generator=torch.Generator().manual_seed(2))
+    from epikv.engine import attention_for
+    from epikv.policies import get_policy
+
+    pol = get_policy(policy, tau=1, recent=4)
+    with torch.inference_mode(), attention_for(m, pol):
+        dec = Decoder(m, pol, budget=20)
+        dec.prefill(ids[:, :6], [0])
+        for s in range(6, 60):
+            dec.step(ids[:, s : s + 1])
+        assert dec.cache.evictions > 10 and dec.cache._phys is None
+
+
+
+# Padded batches keep the compacted layout (their mask is a padding prefix): test_engine.py's
+# test_padded_batch_rows_match_single_runs fails when they refill.
