@@ -125,7 +125,8 @@ def test_paired_differences_are_per_trace_on_common_traces():
     top1 = {r["policy"]: r for r in paired(recs, "epikv", "top1_agreement")}
     assert top1["a"]["better"] == 4 and top1["b"]["better"] == 0
     table = paired_table(recs, "epikv", "answer_nll_increase")
-    assert "| a | -0.1000 [-0.1000, -0.1000], better on 4/4 |" in table
+    assert "| a | **-0.1000 [-0.1000, -0.1000]**, better on 4/4 |" in table  # bold: the interval excludes 0
+    assert "| b | +0.1000 [" in table  # not bold: its interval holds 0
     assert paired_table(recs, "absent", "answer_nll_increase") == ""
 
 
@@ -288,7 +289,7 @@ def test_report_over_two_fresh_folders_matches_the_records(tmp_path, capsys):
     for k, cell in zip((64, 96), paired["streaming"]):
         s, e = metric("streaming", k, "answer_nll_increase"), metric("epikv", k, "answer_nll_increase")
         diff = sum(s[t] - e[t] for t in s) / 2
-        assert cell.startswith(f"{diff:+.4f} [")
+        assert cell.lstrip("*").startswith(f"{diff:+.4f} [")
         assert f"better on {sum(s[t] < e[t] for t in s)}/2" in cell
     assert (out / "retention_top1_agreement.png").stat().st_size > 5000
 
@@ -322,3 +323,21 @@ def test_prepare_traces_records_the_body_length(tiny):
     body = tok("four is the sum", add_special_tokens=False)["input_ids"]
     assert items[0].n_body == len(body) and items[0].reasoning_ids[: len(body)] == body
     assert len(items[0].reasoning_ids) > len(body)  # the tag's tokens follow
+
+
+def test_other_intervals_are_other_rows_and_pair_with_the_default():
+    """epikv at tau 16 and at tau 128 (two folders) are two rows, never pooled; `full` is one reference row."""
+    from epikv.retention.bootstrap import unique
+
+    recs = [_rec("epikv", 64, str(i), answer_nll_increase=0.5) for i in range(3)]
+    recs += [{**_rec("epikv", 64, str(i), answer_nll_increase=0.2), "tau": 128} for i in range(3)]
+    recs += [{**_rec("full", None, "0", answer_nll_increase=0.0), "tau": t} for t in (16, 128)]
+    recs += [{**_rec("epikv-seg", 64, str(i), answer_nll_increase=0.1), "tau": 128} for i in range(3)]
+    labels = {(r["policy"], r.get("tau")): r["label"] for r in unique(recs)}
+    assert labels[("epikv", 128)] == "epikv@tau=128" and labels[("epikv", None)] == "epikv"
+    assert labels[("epikv-seg", 128)] == "epikv-seg"  # found at one interval only: its plain name
+    rows = {(r["policy"], r["budget"]): r for r in aggregate(recs)}
+    assert set(rows) == {("epikv", 64), ("epikv@tau=128", 64), ("epikv-seg", 64), ("full", None)}
+    assert rows[("epikv", 64)]["answer_nll_increase"][0] == pytest.approx(0.5)
+    d = {r["policy"]: r for r in paired(recs, "epikv")}["epikv@tau=128"]
+    assert d["n"] == 3 and d["diff"][0] == pytest.approx(-0.3)

@@ -13,8 +13,9 @@ def register(sub) -> None:
                                    "retention_<metric>.png.")
     p.add_argument("dirs", nargs="+", help="eval or retention output directories")
     p.add_argument("--out", default=None, type=out_dir, help="where to write the report (default: the first directory)")
-    p.add_argument("--reference", default="epikv", metavar="POLICY",
-                   help="retention: the policy every other is compared with, paired on common traces (default epikv)")
+    p.add_argument("--reference", default="epikv,random", metavar="POLICIES",
+                   help="retention: the policies every other is compared with, paired on common traces "
+                        "(comma-separated; default epikv,random)")
     p.set_defaults(run=run)
 
 
@@ -34,7 +35,7 @@ def run(args) -> int:
     evals = [d for d in args.dirs if d not in retention]
     if retention:
         records = [r for d in retention for r in read_records(Path(d) / "results.jsonl")]
-        for path in render_retention(records, args.out or retention[0], reference=args.reference):
+        for path in render_retention(records, args.out or retention[0], reference=tuple(x for x in args.reference.split(",") if x)):
             print(f"retention: {path}")
     if not evals:
         return 0

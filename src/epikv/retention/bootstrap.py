@@ -9,25 +9,37 @@ from collections import defaultdict
 
 import numpy as np
 
-METRICS = ("answer_nll_increase", "top1_agreement", "kl", "answer_nll", "seconds", "peak_cache_tokens")
+METRICS = ("answer_nll_increase", "top1_agreement", "kl", "answer_nll", "tail_nll_increase", "answer_kl", "seconds",
+           "peak_cache_tokens")
 # the direction in which a metric is better, for paired comparisons
-LOWER_IS_BETTER = {"answer_nll_increase": True, "top1_agreement": False, "kl": True, "answer_nll": True}
+LOWER_IS_BETTER = {"answer_nll_increase": True, "top1_agreement": False, "kl": True, "answer_nll": True,
+                   "tail_nll_increase": True, "answer_kl": True}
 
 
-def policy_label(rec: dict) -> str:
-    """The policy name, plus its non-default settings if any (`epikv[layers=[6, 20]]`): runs of one policy with
-    other settings are other rows, never pooled."""
+def policy_label(rec: dict, name_tau: bool = False) -> str:
+    """The policy name, plus its non-default settings if any (`epikv[layers=[6, 20]]`) and, with name_tau, its
+    interval (`epikv@tau=128`): runs of one policy with other settings or schedules are other rows, never pooled."""
     s = rec.get("settings") or {}
-    return rec["policy"] + ("[" + ", ".join(f"{k}={v}" for k, v in sorted(s.items())) + "]" if s else "")
+    at = f"@tau={rec.get('tau')}" if name_tau else ""
+    return rec["policy"] + ("[" + ", ".join(f"{k}={v}" for k, v in sorted(s.items())) + "]" if s else "") + at
 
 
 def unique(records) -> list[dict]:
-    """Retention records, one per (trace, policy, budget, settings): the last one wins, so merging folders that
-    share a trace counts it once."""
+    """Retention records, one per (trace, label, budget), each with its row label in "label": the last one wins, so
+    merging folders that share a trace counts it once. A policy found at several intervals (folders run at tau 16
+    and 128) names the interval in its label, except at the most common one (its plain name) and for `full`, whose
+    rows at any interval are the same no-eviction reference."""
+    recs = [r for r in records if r.get("kind") == "retention"]
+    taus: dict[str, dict] = defaultdict(lambda: defaultdict(int))
+    for r in recs:
+        taus[policy_label(r)][r.get("tau")] += 1
+    plain = {p: max(ts, key=lambda t: (ts[t], -(t or 0))) for p, ts in taus.items()}  # most records; ties: smaller tau
     out: dict[tuple, dict] = {}
-    for r in records:
-        if r.get("kind") == "retention":
-            out[(r["trace_id"], policy_label(r), r["budget"])] = r
+    for r in recs:
+        base = policy_label(r)
+        name_tau = r["policy"] != "full" and r.get("tau") != plain[base]
+        label = policy_label(r, name_tau)
+        out[(r["trace_id"], label, r["budget"])] = {**r, "label": label}
     return list(out.values())
 
 
@@ -54,7 +66,7 @@ def aggregate(records, metrics=METRICS, confidence: float = 0.95, n_resamples: i
     """One row per (policy, budget): n traces and {metric: (mean, low, high)}; `full` has budget None."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in unique(records):
-        groups[(policy_label(r), r["budget"])].append(r)
+        groups[(r["label"], r["budget"])].append(r)
     rows = []
     for (policy, budget), recs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], kv[0][1] or 0)):
         row = {"policy": policy, "budget": budget, "n": len({r["trace_id"] for r in recs})}
@@ -69,7 +81,7 @@ def per_trace(records, metric: str) -> dict[tuple, dict[str, float]]:
     out: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in unique(records):
         if r.get(metric) is not None:
-            out[(policy_label(r), r["budget"])][r["trace_id"]] = float(r[metric])
+            out[(r["label"], r["budget"])][r["trace_id"]] = float(r[metric])
     return out
 
 

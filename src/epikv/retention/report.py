@@ -40,7 +40,10 @@ def table(rows: list[dict]) -> str:
 
 
 GRIDS = {"answer_nll_increase": ("Answer-NLL increase over full (nats/token)", {}),
-         "top1_agreement": ("Top-1 agreement with full over the reasoning span (%)", {"pct": True})}
+         "top1_agreement": ("Top-1 agreement with full over the reasoning span (%)", {"pct": True}),
+         "tail_nll_increase": ("NLL increase over full on the last 256 reasoning tokens before </think> "
+                               "(nats/token)", {}),
+         "answer_kl": ("KL(full || policy) on the answer tokens (nats/token)", {})}
 
 
 def _budgets(rows: list[dict]) -> list[int]:
@@ -83,7 +86,8 @@ def paired_table(records, reference: str, metric: str, pct: bool = False) -> str
             mean, lo, hi = r["diff"]
             f = (lambda v: f"{100 * v:+.1f}") if pct else (lambda v: f"{v:+.4f}")
             ci = "" if math.isnan(lo) else f" [{f(lo)}, {f(hi)}]"
-            cells.append(f"{f(mean)}{ci}, better on {r['better']}/{r['n']}")
+            sure = "" if math.isnan(lo) or lo <= 0 <= hi else "**"  # the interval excludes 0
+            cells.append(f"{sure}{f(mean)}{ci}{sure}, better on {r['better']}/{r['n']}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -120,26 +124,31 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     plt.close(fig)
 
 
-def _sections(records, rows: list[dict], reference: str) -> str:
+def _sections(records, rows: list[dict], references: tuple[str, ...]) -> str:
     parts = []
     for metric, (title, kw) in GRIDS.items():
-        parts.append(f"## {title}\n\nBest first.\n\n" + grid(rows, metric, **kw))
-    for metric, (title, kw) in GRIDS.items():
-        t = paired_table(records, reference, metric, **kw)
-        if t:
-            better = "lower" if LOWER_IS_BETTER[metric] else "higher"
-            parts.append(f"## Paired against {reference}: {title[0].lower() + title[1:]}\n\nPolicy minus {reference} "
-                         f"on the traces both have, mean [95% bootstrap CI over traces]; {better} is better; "
-                         f"\"better on\": traces where the policy beat {reference}. An interval that excludes 0 is a "
-                         "difference these traces support.\n\n" + t)
+        if any(not math.isnan(r[metric][0]) for r in rows):  # metrics older records lack are left out
+            parts.append(f"## {title}\n\nBest first.\n\n" + grid(rows, metric, **kw))
+    for reference in references:
+        for metric, (title, kw) in GRIDS.items():
+            t = paired_table(records, reference, metric, **kw)
+            if t:
+                better = "lower" if LOWER_IS_BETTER[metric] else "higher"
+                parts.append(f"## Paired against {reference}: {title[0].lower() + title[1:]}\n\nPolicy minus "
+                             f"{reference} on the traces both have, mean [95% bootstrap CI over traces]; {better} is "
+                             f"better; \"better on\": traces where the policy beat {reference}. **Bold**: the interval "
+                             "excludes 0, a difference these traces support (one interval per cell, no correction "
+                             "for the number of cells).\n\n" + t)
     parts.append("## All metrics\n\n" + table(rows))
     return "\n".join(parts)
 
 
-def render_retention(records, out_dir, reference: str = "epikv") -> list[Path]:
+def render_retention(records, out_dir, reference: str | tuple[str, ...] = ("epikv", "random")) -> list[Path]:
     """Write retention.md, retention_summary.json and retention_<metric>.png into out_dir; returns their paths.
 
-    `reference`: the policy the paired-difference tables compare every other policy with (skipped if absent)."""
+    `reference`: the policy or policies the paired-difference tables compare every other policy with (each skipped
+    if absent)."""
+    references = (reference,) if isinstance(reference, str) else tuple(reference)
     records = [r for r in records if r.get("kind") == "retention"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,14 +156,14 @@ def render_retention(records, out_dir, reference: str = "epikv") -> list[Path]:
     if not rows:
         return []
     settings = sorted({(r.get("model"), r.get("tau"), r.get("max_reasoning_tokens"), r.get("max_answer_tokens"))
-                       for r in records}, key=str)
+                       for r in records}, key=str)  # one line per interval: labels name tau != 16
     head = "; ".join(f"model {m}, tau {t}, reasoning cap {c or 'none'}, answer cap {a or 'none'}"
                      for m, t, c, a in settings)
     md = out / "retention.md"
     md.write_text(f"# Retention\n\n{head}. Mean over traces with 95% percentile-bootstrap CIs over traces "
                   "(2000 resamples). Answer NLL increase: answer NLL (teacher-forced text after `</think>`) minus "
                   "the full cache's; top-1 agreement and KL(full || policy) over the reasoning span. "
-                  "(n) = traces.\n\n" + _sections(records, rows, reference))
+                  "(n) = traces.\n\n" + _sections(records, rows, references))
     summary = out / "retention_summary.json"
     summary.write_text(json.dumps(rows, indent=1) + "\n")
     written = [md, summary]
