@@ -21,7 +21,7 @@ if [ $# -gt 0 ]; then
     TESTS=("$@")
 else
     TESTS=()
-    for t in tests/test_engine.py tests/test_dropin.py tests/test_hybrid.py tests/test_press.py tests/test_custom_policy.py tests/test_cli.py; do
+    for t in tests/test_engine.py tests/test_dropin.py tests/test_refill.py tests/test_hybrid.py tests/test_press.py tests/test_custom_policy.py tests/test_cli.py tests/test_speed_reference.py; do
         [ -f "$t" ] && TESTS+=("$t")
     done
 fi
