@@ -84,5 +84,34 @@ def test_policies_reading_the_cache_keep_true_order(tiny, policy):
 
 
 
-# Padded batches keep the compacted layout (their mask is a padding prefix): test_engine.py's
-# test_padded_batch_rows_match_single_runs fails when they refill.
+
+def test_padded_batch_refills_and_masks_its_scattered_padding(tiny):
+    """A left-padded batch refills too: evicted padding slots take real tokens, so the kept padding is no longer a
+    prefix and the mask follows each slot. Every row's logits equal the row decoded alone."""
+    tok = tiny.tokenizer
+    rows = [tok("one two three four five six seven eight nine ten eleven twelve")["input_ids"],
+            tok("hi")["input_ids"]]
+    cont = torch.randint(10, 2000, (1, 40), generator=torch.Generator().manual_seed(4))
+    kw = dict(budget=24, tau=1, recent=4)
+    with torch.inference_mode():
+        singles = []
+        for r in rows:
+            d = Decoder(tiny.model, "epikv", **kw)
+            d.prefill(torch.tensor([r]), [0])
+            singles.append(torch.stack([d.step(cont[:, t : t + 1])[0] for t in range(40)]))
+        w = max(map(len, rows))
+        pad = [w - len(r) for r in rows]
+        ids = torch.tensor([[0] * p + r for p, r in zip(pad, rows)])
+        d = Decoder(tiny.model, "epikv", **kw)
+        d.prefill(ids, pad)
+        both, scattered = [], False
+        for t in range(40):
+            both.append(d.step(cont.expand(2, -1)[:, t : t + 1]))
+            ps = d.cache._pad_slots
+            if ps is not None and bool(ps[1].any()):
+                first_pad = int(ps[1].int().argmax())
+                scattered |= bool((~ps[1][:first_pad]).any())  # a real token stored before kept padding
+        both = torch.stack(both, dim=1)
+    assert pad[1] > 0 and scattered, "the padded row never held padding behind a refilled slot"
+    for i in range(2):
+        assert torch.allclose(both[i], singles[i], atol=1e-4), (both[i] - singles[i]).abs().max()

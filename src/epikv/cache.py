@@ -445,9 +445,11 @@ class EpiKVCache(Cache):
         # eviction may refill its holes with the newest kept slots instead of compacting in order (`hole_fill`):
         # slot order then differs from true-position order, kept in `_phys`. Attention does not depend on slot
         # order (positions are applied when a key is written), and new tokens always append after every stored
-        # slot, so multi-token feeds keep their causal layout.
+        # slot, so multi-token feeds keep their causal layout. In a padded batch the padding mask then follows
+        # `_pad_slots` (an evicted padding slot takes a real token), except on hybrid models (see _padding_mask).
         self._refill = self.policy.evicts and not (obs.keys_values or obs.attention_layers or obs.queries)
         self._phys: torch.Tensor | None = None  # [batch, n] physical slot of each stored token, in true order
+        self._pad_slots: torch.Tensor | None = None  # [batch, n] physical slots holding padding, once refilled
         self._capture_hidden = frozenset(obs.hidden_layers)
         self._capture_attn = frozenset(obs.attention_layers)
         self._needs_kv = obs.keys_values
@@ -579,7 +581,10 @@ class EpiKVCache(Cache):
             gone = torch.arange(layer.cumulative - n, device=self.home)[None, :] >= pad0[:, None]
         else:
             gone = valid.new_ones(valid.shape[0], layer.cumulative - n)
-        stored = torch.arange(n, device=self.home)[None, :] >= self.n_pad[:, None]
+        if self._pad_slots is not None:  # refilled: kept padding may sit anywhere among the stored slots
+            stored = ~self._pad_slots
+        else:
+            stored = torch.arange(n, device=self.home)[None, :] >= self.n_pad[:, None]
         return torch.cat([gone, stored, valid], dim=1).long()
 
     # -- the step ----------------------------------------------------------------------------------------------------
@@ -674,6 +679,8 @@ class EpiKVCache(Cache):
         if self._phys is not None:  # the new tokens were written after every stored slot
             self._phys = torch.cat([self._phys, torch.arange(n_old, n_old + t, device=self._phys.device)
                                     .expand(self._phys.shape[0], t)], dim=1)
+        if self._pad_slots is not None:
+            self._pad_slots = torch.cat([self._pad_slots, ~valid], dim=1)
         for key, x in new.items():
             x = x.to(self.home)
             if key in self.token_data and x.shape[-1] != n_old + t:  # new tokens only: append
@@ -707,12 +714,12 @@ class EpiKVCache(Cache):
             p = self._phys.to(keep.device)
             phys = p.gather(1, keep) if not per_head else p[:, None, None, :].expand(*keep.shape[:3], -1).gather(-1, keep)
         ref = self.layers[self._ref]
-        if (self._refill and not per_head and not self._padded and n_old > k
+        if (self._refill and not per_head and not (self._padded and self._sliding) and n_old > k
                 and ref.capacity <= 2 * self._capacity):
             self._refill_holes(phys, n_old - k)
         else:
             self._compact(phys, per_head, k, n_old)
-            self._phys = None  # compaction writes the kept tokens in true order
+            self._phys = self._pad_slots = None  # compaction writes the kept tokens in true order
         first = keep[:, self._ref, 0] if per_head else keep  # [batch, K]
         for key, x in self.token_data.items():
             # per-token data [batch, n] follows layer 0 / head 0 under per-head keeps; [batch, layers, heads, n]
@@ -744,7 +751,15 @@ class EpiKVCache(Cache):
             if dev not in moves:
                 moves[dev] = hole_fill(phys.to(dev, non_blocking=True), m)
             layer.move_slots(moves[dev][0], moves[dev][1], phys.shape[-1])
-        self._phys = moves[next(iter(moves))][2].to(self.home)
+        src, dst, self._phys = (x.to(self.home) for x in moves[next(iter(moves))])
+        if self._padded:  # the padding mask follows the slots: kept padding stays put, holes take what moved in
+            n_old = phys.shape[-1] + m
+            pad = self._pad_slots
+            if pad is None:  # until now padding was the prefix of every row
+                pad = torch.arange(n_old, device=self.home)[None, :] < self.n_pad[:, None]
+            pad = pad.clone()
+            pad.scatter_(1, dst, pad.gather(1, src))
+            self._pad_slots = pad[:, : phys.shape[-1]]
 
     def _compact(self, keep: torch.Tensor, per_head: bool, k: int, n_old: int) -> None:
         """Eviction by compaction: the kept slots `keep` (physical) in this order, every layer."""
@@ -828,6 +843,8 @@ class EpiKVCache(Cache):
         self.token_data = {k: v.index_select(0, idx.to(v.device)) for k, v in self.token_data.items()}
         if self._phys is not None:
             self._phys = self._phys.index_select(0, idx.to(self._phys.device))
+        if self._pad_slots is not None:
+            self._pad_slots = self._pad_slots.index_select(0, idx.to(self._pad_slots.device))
         self.n_pad, self.n_protect, self.seen = (x.index_select(0, idx) for x in (self.n_pad, self.n_protect, self.seen))
         self._queries = {l: q.index_select(0, idx.to(q.device)) for l, q in self._queries.items()}
         if self._query_valid is not None:
