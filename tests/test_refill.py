@@ -115,3 +115,27 @@ def test_padded_batch_refills_and_masks_its_scattered_padding(tiny):
     assert pad[1] > 0 and scattered, "the padded row never held padding behind a refilled slot"
     for i in range(2):
         assert torch.allclose(both[i], singles[i], atol=1e-4), (both[i] - singles[i]).abs().max()
+
+
+def test_refill_after_a_prefill_that_outgrew_the_buffers(tiny):
+    """A prompt longer than the buffers: the first eviction compacts (and frees the memory), later ones refill;
+    logits stay those of the masked full model."""
+    m = tiny.model
+    ids = torch.randint(10, 2000, (1, 120), generator=torch.Generator().manual_seed(5))
+    p = 80  # > 2 (budget + tau + 16) slots: the buffers grew at prefill, the first eviction frees them
+    allowed, got = {}, {}
+    with torch.inference_mode():
+        dec = Decoder(m, "epikv", budget=20, tau=1, recent=4, protect_prompt=False, n_sink=2)
+        dec.prefill(ids[:, :p], [0])
+        # the prefill wrote p slots, then its eviction compacted into smaller buffers (true order, no map)
+        assert dec.cache.evictions == 1 and dec.cache.layers[0].capacity < p and dec.cache._phys is None
+        refilled = False
+        for s in range(p, ids.shape[1]):
+            before = dec.cache.token_data["pos"][0].tolist()
+            got[s] = dec.step(ids[:, s : s + 1])[0]
+            allowed[s] = set(before) | {s}
+            refilled |= dec.cache._phys is not None
+        assert refilled
+        ref, rows = _oracle_logits(m, ids, allowed)
+    got = torch.stack([got[t] for t in rows])
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
