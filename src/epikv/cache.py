@@ -138,6 +138,9 @@ class BufferLayer(DynamicLayer):
         b, h, _, _ = self.keys.shape
         m = src.shape[-1]
         for x in (self.keys, self.values):  # views of the buffers: written in place
+            if b == 1:  # one row: plain index copies (fewer, cheaper ops at tau = 1)
+                x.index_copy_(2, dst[0], x.index_select(2, src[0]))
+                continue
             d = x.shape[-1]
             moved = x.gather(2, src[:, None, :, None].expand(b, h, m, d))  # read every source before any write
             x.scatter_(2, dst[:, None, :, None].expand(b, h, m, d), moved)
