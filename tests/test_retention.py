@@ -325,6 +325,23 @@ def test_prepare_traces_records_the_body_length(tiny):
     assert len(items[0].reasoning_ids) > len(body)  # the tag's tokens follow
 
 
+def test_the_plain_name_goes_to_the_main_interval_not_to_the_policy_with_more_records():
+    """A run half done: epikv has more records at tau 128 (the Seg folder finished first) than at tau 16, but the
+    other baselines run at tau 16, so the plain `epikv` they are paired with must be the tau-16 one."""
+    from epikv.retention.bootstrap import unique
+
+    recs = [{**_rec("epikv", 64, str(i), answer_nll_increase=0.2), "tau": 128} for i in range(5)]
+    recs += [{**_rec("epikv-seg", 64, str(i), answer_nll_increase=0.1), "tau": 128} for i in range(5)]
+    recs += [{**_rec("epikv", 64, str(i), answer_nll_increase=0.5), "tau": 16} for i in range(2)]
+    recs += [{**_rec(p, 64, str(i), answer_nll_increase=0.3), "tau": 16} for p in ("h2o", "random", "tova")
+             for i in range(3)]
+    labels = {(r["policy"], r["tau"]): r["label"] for r in unique(recs)}
+    assert labels[("epikv", 16)] == "epikv" and labels[("epikv", 128)] == "epikv@tau=128"
+    assert labels[("epikv-seg", 128)] == "epikv-seg"  # never run at tau 16: its plain name
+    d = {r["policy"]: r for r in paired(recs, "epikv")}["h2o"]
+    assert d["n"] == 2 and d["diff"][0] == pytest.approx(-0.2)
+
+
 def test_other_intervals_are_other_rows_and_pair_with_the_default():
     """epikv at tau 16 and at tau 128 (two folders) are two rows, never pooled; `full` is one reference row."""
     from epikv.retention.bootstrap import unique
@@ -333,11 +350,12 @@ def test_other_intervals_are_other_rows_and_pair_with_the_default():
     recs += [{**_rec("epikv", 64, str(i), answer_nll_increase=0.2), "tau": 128} for i in range(3)]
     recs += [{**_rec("full", None, "0", answer_nll_increase=0.0), "tau": t} for t in (16, 128)]
     recs += [{**_rec("epikv-seg", 64, str(i), answer_nll_increase=0.1), "tau": 128} for i in range(3)]
+    recs += [_rec("h2o", 64, str(i), answer_nll_increase=0.3) for i in range(4)]  # the main interval: the default
     labels = {(r["policy"], r.get("tau")): r["label"] for r in unique(recs)}
     assert labels[("epikv", 128)] == "epikv@tau=128" and labels[("epikv", None)] == "epikv"
     assert labels[("epikv-seg", 128)] == "epikv-seg"  # found at one interval only: its plain name
     rows = {(r["policy"], r["budget"]): r for r in aggregate(recs)}
-    assert set(rows) == {("epikv", 64), ("epikv@tau=128", 64), ("epikv-seg", 64), ("full", None)}
+    assert set(rows) == {("epikv", 64), ("epikv@tau=128", 64), ("epikv-seg", 64), ("h2o", 64), ("full", None)}
     assert rows[("epikv", 64)]["answer_nll_increase"][0] == pytest.approx(0.5)
     d = {r["policy"]: r for r in paired(recs, "epikv")}["epikv@tau=128"]
     assert d["n"] == 3 and d["diff"][0] == pytest.approx(-0.3)
