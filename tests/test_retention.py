@@ -292,6 +292,9 @@ def test_report_over_two_fresh_folders_matches_the_records(tmp_path, capsys):
         assert cell.lstrip("*").startswith(f"{diff:+.4f} [")
         assert f"better on {sum(s[t] < e[t] for t in s)}/2" in cell
     assert (out / "retention_top1_agreement.png").stat().st_size > 5000
+    for name in ("retention_tail_nll_increase.png", "retention_answer_kl.png", "retention_paired_epikv.png"):
+        assert (out / name).stat().st_size > 5000
+    assert not (out / "retention_paired_random.png").exists()  # no random records: no pairs, no figure
 
 
 def test_tail_metric_covers_the_last_reasoning_tokens_before_think_end():
@@ -327,11 +330,13 @@ def test_prepare_traces_records_the_body_length(tiny):
 
 def test_the_plain_name_goes_to_the_main_interval_not_to_the_policy_with_more_records():
     """A run half done: epikv has more records at tau 128 (the Seg folder finished first) than at tau 16, but the
-    other baselines run at tau 16, so the plain `epikv` they are paired with must be the tau-16 one."""
+    other baselines run at tau 16, so the plain `epikv` they are paired with must be the tau-16 one, even while the
+    tau-128 folder holds more records."""
     from epikv.retention.bootstrap import unique
 
     recs = [{**_rec("epikv", 64, str(i), answer_nll_increase=0.2), "tau": 128} for i in range(5)]
-    recs += [{**_rec("epikv-seg", 64, str(i), answer_nll_increase=0.1), "tau": 128} for i in range(5)]
+    recs += [{**_rec(p, 64, str(i), answer_nll_increase=0.1), "tau": 128} for p in ("epikv-seg", "epikv-seg-q")
+             for i in range(5)]  # more records at tau 128 (15) than at tau 16 (11), but fewer policies
     recs += [{**_rec("epikv", 64, str(i), answer_nll_increase=0.5), "tau": 16} for i in range(2)]
     recs += [{**_rec(p, 64, str(i), answer_nll_increase=0.3), "tau": 16} for p in ("h2o", "random", "tova")
              for i in range(3)]

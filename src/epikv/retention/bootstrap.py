@@ -28,19 +28,22 @@ def unique(records) -> list[dict]:
     """Retention records, one per (trace, label, budget), each with its row label in "label": the last one wins, so
     merging folders that share a trace counts it once. A policy found at several intervals (folders run at tau 16
     and 128) names the interval in its label, except at the run's main interval (its plain name) and for `full`,
-    whose rows at any interval are the same no-eviction reference. The main interval is the one most records of all
-    evicting policies have (ties: the smaller), so the plain `epikv` that the other rows are paired with runs at
-    their schedule however far each folder has got; a policy never run at it keeps its plain name at its own most
-    common interval."""
+    whose rows at any interval are the same no-eviction reference. The main interval is the one most evicting
+    policies were run at (ties: more records, then the smaller), so the plain `epikv` that the other rows are paired
+    with runs at their schedule however far each folder has got; a policy never run at it keeps its plain name at
+    its own most common interval."""
     recs = [r for r in records if r.get("kind") == "retention"]
     taus: dict[str, dict] = defaultdict(lambda: defaultdict(int))
-    overall: dict = defaultdict(int)
     for r in recs:
         taus[policy_label(r)][r.get("tau")] += 1
-        if r["policy"] != "full":
-            overall[r.get("tau")] += 1
     most = lambda ts: max(ts, key=lambda t: (ts[t], -(t or 0)))  # noqa: E731  most records; ties: smaller tau
-    main = most(overall) if overall else None
+    by_tau: dict = defaultdict(lambda: [0, 0])  # tau -> [policies, records]
+    for p, ts in taus.items():
+        if p != "full":
+            for t, n in ts.items():
+                by_tau[t][0] += 1
+                by_tau[t][1] += n
+    main = max(by_tau, key=lambda t: (*by_tau[t], -(t or 0))) if by_tau else None
     plain = {p: main if main in ts else most(ts) for p, ts in taus.items()}
     out: dict[tuple, dict] = {}
     for r in recs:

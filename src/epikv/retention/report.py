@@ -18,7 +18,11 @@ PLOTS = {
     "top1_agreement": "top-1 agreement with full, reasoning span",
     "kl": "KL(full || policy), reasoning span (nats/token)",
     "seconds": "forward seconds per trace",
+    "tail_nll_increase": "NLL increase over full, last 256 reasoning tokens (nats/token)",
+    "answer_kl": "KL(full || policy), answer tokens (nats/token)",
 }
+# the paired-difference figure: one row of panels per metric, one column per budget
+PAIRED_PLOT = ("answer_nll_increase", "tail_nll_increase", "answer_kl")
 
 
 def _fmt(ci, pct: bool = False, digits: int = 4, sci: bool = False) -> str:
@@ -124,6 +128,56 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_paired(records, reference: str, path: Path) -> bool:
+    """Each policy minus `reference` per budget (columns) and metric (rows), on common traces: mean and 95 % bootstrap
+    CI over traces; filled markers where the interval excludes 0. Returns False (nothing written) without pairs."""
+    tables = {m: paired(records, reference, m) for m in PAIRED_PLOT}
+    tables = {m: t for m, t in tables.items() if t}
+    if not tables:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..plots import policy_style
+
+    budgets = sorted({r["budget"] for t in tables.values() for r in t})
+    policies = sorted({r["policy"] for t in tables.values() for r in t})
+    fig, axes = plt.subplots(len(tables), len(budgets), squeeze=False, sharey=True,
+                             figsize=(2.2 + 2.6 * len(budgets), 0.9 + (0.22 * len(policies) + 0.6) * len(tables)))
+    for i, (metric, rows) in enumerate(tables.items()):
+        by = {(r["policy"], r["budget"]): r for r in rows}
+        for j, b in enumerate(budgets):
+            ax = axes[i][j]
+            ax.axvline(0, color="black", lw=0.8)
+            for y, p in enumerate(policies):
+                r = by.get((p, b))
+                if r is None:
+                    continue
+                mean, lo, hi = r["diff"]
+                sure = not (math.isnan(lo) or lo <= 0 <= hi)
+                st = policy_style(p)
+                err = None if math.isnan(lo) else [[mean - lo], [hi - mean]]
+                ax.errorbar([mean], [y], xerr=err, color=st["color"], marker=st["marker"], ms=5, capsize=2,
+                            mfc=st["color"] if sure else "white", lw=0, elinewidth=1.0)
+            ax.set_yticks(range(len(policies)), policies, fontsize=7)
+            if j == 0:
+                ax.invert_yaxis()  # shared y: once flips every column
+            ax.grid(alpha=0.3, axis="x")
+            ax.tick_params(axis="x", labelsize=7)
+            if i == 0:
+                ax.set_title(f"K = {b}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel(PLOTS[metric].split(" (")[0], fontsize=7)
+    fig.suptitle(f"policy minus {reference} on common traces: mean, 95% bootstrap CI over traces\n"
+                 "filled: the interval excludes 0; left of 0: better", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def _sections(records, rows: list[dict], references: tuple[str, ...]) -> str:
     parts = []
     for metric, (title, kw) in GRIDS.items():
@@ -171,4 +225,8 @@ def render_retention(records, out_dir, reference: str | tuple[str, ...] = ("epik
         path = out / f"retention_{metric}.png"
         _plot(rows, metric, label, path)
         written.append(path)
+    for reference in references:
+        path = out / f"retention_paired_{reference}.png"
+        if _plot_paired(records, reference, path):
+            written.append(path)
     return written
