@@ -1,7 +1,9 @@
 """Retention benchmark: exactness against full, tau = 1 against a token-by-token decode, CLI, resume, bad input."""
 
+import contextlib
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -364,3 +366,56 @@ def test_other_intervals_are_other_rows_and_pair_with_the_default():
     assert rows[("epikv", 64)]["answer_nll_increase"][0] == pytest.approx(0.5)
     d = {r["policy"]: r for r in paired(recs, "epikv")}["epikv@tau=128"]
     assert d["n"] == 3 and d["diff"][0] == pytest.approx(-0.3)
+
+
+def test_a_variant_is_another_row_of_one_invocation_with_its_settings(tmp_path, capsys):
+    """`--policies epikv,epikv[reserve=8]` runs both against one reference pass; the variant's record is the one a
+    separate `--set epikv.reserve=8` run writes (same key, same metrics), and it differs from plain epikv."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--budgets", "64", "--tau", "8",
+            "--no-report"]
+    assert main(base + ["--policies", "full,epikv,epikv[reserve=8]", "--out", str(tmp_path / "v")]) == 0
+    assert main(base + ["--policies", "epikv", "--set", "epikv.reserve=8", "--out", str(tmp_path / "s")]) == 0
+    both = {json.dumps(r["settings"]): r for r in read_records(tmp_path / "v" / "results.jsonl")
+            if r["policy"] == "epikv"}
+    (alone,) = read_records(tmp_path / "s" / "results.jsonl")
+    assert set(both) == {"{}", '{"reserve": 8}'} and alone["settings"] == {"reserve": 8}
+    metrics = ("answer_nll", "kl", "top1_agreement", "tail_nll", "evictions")
+    assert all(both['{"reserve": 8}'][m] == pytest.approx(alone[m], rel=1e-5, abs=1e-7) for m in metrics)
+    assert any(both["{}"][m] != pytest.approx(alone[m], rel=1e-5, abs=1e-7) for m in metrics)
+    capsys.readouterr()
+    # resuming by the label, in another order, finds both done
+    assert main(base + ["--policies", "epikv[reserve=8],epikv,full", "--out", str(tmp_path / "v")]) == 0
+    assert "0 records written, 3 already done" in capsys.readouterr().out
+
+
+def test_policy_variants_parse_and_refuse_like_set(tmp_path, capsys):
+    import argparse
+
+    from epikv.commands.common import policy_list, policy_variant
+
+    assert policy_list("full, epikv,epikv[reserve=16, layers=[6, 20]]") == \
+        ["full", "epikv", "epikv[reserve=16, layers=[6, 20]]"]
+    assert policy_variant("epikv[reserve=16, layers=[6, 20]]") == ("epikv", {"reserve": 16, "layers": (6, 20)})
+    assert policy_variant("lag-kv") == ("lag-kv", {})
+    for bad, why in (("epikv[reserve=1.5]", "expects int"), ("epikv[nope=1]", "has no setting 'nope'"),
+                     ("epikv[reserve=16", "unbalanced"), ("epikv[]", "expected POLICY[SETTING=VALUE"),
+                     ("epikv[reserve=1, reserve=2]", "sets reserve twice"), ("nope[x=1]", "unknown policy")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(why)):
+            policy_list(f"full,{bad}")
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+
+    def refused(*argv) -> str:
+        with pytest.raises(SystemExit) if "=x]" in argv[4] else contextlib.nullcontext():
+            assert main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        return err
+
+    assert "epikv.reserve expects int" in refused("retention", "--model", "random:tiny", "--policies",
+                                                  "epikv[reserve=x]", "--traces", str(path), "--out", str(tmp_path))
+    # commands without variant rows say what to use instead
+    assert "use --set epikv.reserve=16" in refused("eval", "--model", "random:tiny", "--policies", "epikv[reserve=16]",
+                                                   "--dataset", "gsm8k", "--out", str(tmp_path / "e"))

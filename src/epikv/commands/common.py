@@ -94,6 +94,51 @@ def _bad(text):
     raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
 
 
+def _split_top(text: str) -> list[str]:
+    """Split at the commas outside brackets: 'a,b[x=1, y=[2, 3]]' -> ['a', 'b[x=1, y=[2, 3]]']."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        depth += (ch in "[(") - (ch in "])")
+        if depth < 0:
+            raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
+    return [x.strip() for x in parts + ["".join(cur)]]
+
+
+def policy_variant(spec: str) -> tuple[str, dict]:
+    """'epikv[reserve=16, layers=[6, 20]]' -> ("epikv", {"reserve": 16, "layers": (6, 20)}); a plain name -> (name,
+    {}). The bracket holds SETTING=VALUE pairs read as `--set` reads them; it is the row label the reports print, so
+    a row can be run again by its label."""
+    name, bracket, rest = spec.strip().partition("[")
+    name = name.strip()
+    if not bracket:
+        return name, {}
+    if not rest.endswith("]") or not rest[:-1].strip():
+        raise argparse.ArgumentTypeError(f"expected POLICY[SETTING=VALUE, ...], got {spec!r}")
+    settings = {}
+    for item in _split_top(rest[:-1]):
+        _, key, value = policy_setting(f"{name}.{item}")
+        if key in settings:
+            raise argparse.ArgumentTypeError(f"{spec!r} sets {key} twice")
+        settings[key] = value
+    return name, settings
+
+
+def policy_list(text: str) -> list[str]:
+    """'full,epikv,epikv[reserve=16]' -> the policy specs (commas inside brackets belong to a variant), each checked
+    by `policy_variant`."""
+    specs = [x for x in _split_top(text) if x] or _bad(text)
+    for spec in specs:
+        policy_variant(spec)
+    return specs
+
+
 def policy_setting(text: str) -> tuple[str, str, object]:
     """'lagkv.lag=128' -> ("lagkv", "lag", 128): any dataclass field of a registered policy, the value read as JSON
     (lists become tuples) and checked against the type of the field's default."""
@@ -185,7 +230,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g = p.add_argument_group("eviction")
     if multi:
-        g.add_argument("--policies", type=name_list, default=["epikv"], help="comma-separated policy names")
+        g.add_argument("--policies", type=policy_list, default=["epikv"], help="comma-separated policy names")
         g.add_argument("--budgets", type=int_list, default=[1024], action=_Given,
                        help="comma-separated cache budgets K")
     else:
@@ -236,14 +281,26 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
     return {k: v for k, v in s.items() if v is not None and k in fields}
 
 
-def settings_by_policy(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
-    """{name: policy_settings(args, name)} for the policies a command runs. Options none of these policies would
-    read are refused (a --set naming another policy, --layers / --bands / --bands-file without a policy that has
-    them, --n-sink while the prompt is protected); --budget with only non-evicting policies is a warning."""
+def settings_by_policy(args: argparse.Namespace, specs: list[str], variants: bool = False) -> dict[str, dict]:
+    """{spec: settings} for the policies a command runs: policy_settings(args, name), and with variants=True a spec
+    may be a variant `name[SETTING=VALUE, ...]` whose settings override those (commands that run variants: the
+    retention benchmark; the others refuse them). Options none of these policies would read are refused (a --set
+    naming another policy, --layers / --bands / --bands-file without a policy that has them, --n-sink while the
+    prompt is protected); --budget with only non-evicting policies is a warning."""
     import dataclasses
 
     from ..policies import REGISTRY
 
+    try:
+        parsed = {spec: policy_variant(spec) for spec in specs}
+    except argparse.ArgumentTypeError as e:
+        raise EpiKVError(str(e)) from None
+    odd = [spec for spec, (_, over) in parsed.items() if over]
+    if odd and not variants:
+        name, over = parsed[odd[0]]
+        sets = " ".join(f"--set {name}.{k}={json.dumps(v)}" for k, v in over.items())
+        raise EpiKVError(f"policy variants like {odd[0]} are run by `epikv retention`; here use {sets}")
+    names = list(dict.fromkeys(name for name, _ in parsed.values()))
     stray = sorted({name for name, _, _ in getattr(args, "set", None) or [] if name not in names})
     if stray:
         raise EpiKVError(f"--set names {', '.join(stray)}, which this command does not run")
@@ -268,7 +325,7 @@ def settings_by_policy(args: argparse.Namespace, names: list[str]) -> dict[str, 
     if given & {"budget", "budgets"} and not any(REGISTRY[n].evicts for n in names):
         warn(args, f"{running} never evict{'s' if len(names) == 1 else ''}: "
                    f"--{'budget' if 'budget' in given else 'budgets'} is ignored")
-    return out
+    return {spec: {**out[name], **over} for spec, (name, over) in parsed.items()}
 
 
 def read_bands_file(path: str) -> tuple[tuple[int, ...] | None, tuple | None]:

@@ -35,6 +35,8 @@ def register(sub) -> None:
     add_model_args(p)
     add_policy_args(p, multi=True)
     p._option_string_actions["--tau"].help = "eviction interval: tokens per chunk fed between evictions (default 16)"
+    p._option_string_actions["--policies"].help = ("comma-separated policies; a variant POLICY[SETTING=VALUE, ...] (e.g. epikv[reserve=16], the label "
+                "the report prints) is another row, run against the same reference pass")
     p.set_defaults(run=run, tau=16, policies=["full", "epikv", "lag-kv", "streaming", "random"],
                    budgets=[256, 512, 1024])
 
@@ -50,7 +52,7 @@ def run(args) -> int:
     if args.skip >= len(rows):
         raise EpiKVError(f"--skip {args.skip}: {path} has only {len(rows)} traces")
     rows = rows[args.skip: args.skip + args.limit if args.limit else None]
-    settings = settings_by_policy(args, args.policies)  # validates names first
+    settings = settings_by_policy(args, args.policies, variants=True)  # validates names first
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise EpiKVError(f"--out {out} exists and is not a folder")

@@ -20,6 +20,7 @@ from ..data import read_jsonl
 from ..engine import Decoder, attention_for, encode_prompts
 from ..errors import EpiKVError
 from ..policies import get_policy
+from .bootstrap import policy_label
 from .metrics import Accumulator, Reference
 from ..measure import RunPeak
 from ..store import Store
@@ -317,13 +318,19 @@ def _check_config(out_dir: Path, config: dict) -> None:
         path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _name(spec: str) -> str:
+    """The policy a spec runs: 'epikv[reserve=16]' -> 'epikv' (its settings come from settings_for(spec))."""
+    return spec.partition("[")[0].strip()
+
+
 def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, policies: Sequence[str],
                   budgets: Sequence[int], tau: int = 16, max_reasoning_tokens: int | None = None,
                   system: str | None = None, max_answer_tokens: int | None = None, model_name: str = "", settings_for: Callable[[str], dict] | None = None,
                   log: Callable[[str], None] | None = None, quiet: bool = False, batch_traces: int = 1) -> dict:
     """Run every missing (trace, policy, budget) record, appending each to out_dir/results.jsonl.
 
-    `full` is run once per trace (budget null); other policies once per budget. Several processes may share
+    `policies` holds names or variants 'name[...]' (other rows of one policy; each spec's settings are
+    settings_for(spec)). `full` is run once per trace (budget null); other policies once per budget. Several processes may share
     out_dir: a trace's missing records are claimed before its reference pass, so each record is computed once.
     Each record is logged as "[k/total] ...", k counting records finished (in this run or before); when stderr is
     not a terminal a progress line with the time left also appears every 20 s.
@@ -333,13 +340,13 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     whose rows share a random generator still run one trace at a time. Returns a summary dict."""
     from ..progress import Progress
 
-    settings_for = settings_for or (lambda name: {})
+    settings_for = settings_for or (lambda spec: {})
     if not isinstance(tau, int) or tau < 1:
         raise EpiKVError(f"tau must be a positive integer, got {tau!r}")
     if not isinstance(batch_traces, int) or isinstance(batch_traces, bool) or batch_traces < 1:
         raise EpiKVError(f"batch_traces must be a positive integer, got {batch_traces!r}")
-    for name in policies:
-        get_policy(name, tau=tau, **settings_for(name))  # unknown names and bad settings fail before any work
+    for spec in policies:
+        get_policy(_name(spec), tau=tau, **settings_for(spec))  # unknown names and bad settings fail before any work
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_config(out_dir, {"model": model_name, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
@@ -347,9 +354,13 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     store = Store(out_dir, "results.jsonl", lambda r: record_key(r) if r.get("kind") == KIND else None)
     results = store.path
     items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
-    runs = [(name, None) if not get_policy(name).evicts else (name, b) for name in policies for b in budgets]
-    runs = list(dict.fromkeys(runs))  # `full` once, whatever the budgets
-    plan = [(item, [(name, b, settings_for(name)) for name, b in runs]) for item in items]
+    runs = {}  # (name, budget, settings as JSON) -> (name, budget, settings): `full` once, whatever the budgets
+    for spec in policies:
+        name, s = _name(spec), settings_for(spec)
+        for b in budgets:
+            b = b if get_policy(name).evicts else None
+            runs.setdefault((name, b, json.dumps(s, sort_keys=True)), (name, b, s))
+    plan = [(item, list(runs.values())) for item in items]
     runs_of = {id(item): rs for item, rs in plan}
     key = lambda item, name, b, s: (item.id, name, b, json.dumps(s, sort_keys=True))  # noqa: E731
     total = len(items) * len(runs)
@@ -394,7 +405,8 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                     order += [r for r in todo[id(it)] if r not in order]
                 for name, b, s in order:
                     rows = [i for i, it in enumerate(group) if (name, b, s) in todo[id(it)]]
-                    progress.set_status(f"{', '.join(group[i].id for i in rows)}: {name} K={b}")
+                    label = policy_label({"policy": name, "settings": s})
+                    progress.set_status(f"{', '.join(group[i].id for i in rows)}: {label} K={b}")
                     t0 = time.perf_counter()
                     try:
                         if name == "full":
@@ -408,7 +420,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                         for i in rows:
                             progress.update(1)
                             store.release([key(group[i], name, b, s)])
-                            log(f"[{progress.n}/{total}] {group[i].id} {name} K={b}: not run: {e}")
+                            log(f"[{progress.n}/{total}] {group[i].id} {label} K={b}: not run: {e}")
                             summary["failed"].append((group[i].id, name, b, str(e)))
                         continue
                     # `full` is the shared reference pass: its wall time is that pass's
@@ -428,7 +440,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                         store.append([rec])
                         summary["written"] += 1
                         progress.update(1)
-                        log(f"[{progress.n}/{total}] {item.id} {name} K={b}: answer NLL "
+                        log(f"[{progress.n}/{total}] {item.id} {label} K={b}: answer NLL "
                             f"{rec['answer_nll_increase']:+.4f}, top-1 {100 * rec['top1_agreement']:.1f}%, "
                             f"KL {rec['kl']:.4f} ({m['seconds']:.1f} s)")
                 del refs
