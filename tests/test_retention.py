@@ -288,6 +288,8 @@ def test_report_over_two_fresh_folders_matches_the_records(tmp_path, capsys):
             cell = nll[policy][[64, 96].index(budget)]
             assert cell.startswith(f"{mean:.4f} [") and cell.endswith("(2)")
     paired = _md_table(md, "Paired against epikv: answer-NLL")
+    for heading in ("top-1 agreement", "NLL increase over full on the last 256", "KL(full || policy) on the answer"):
+        assert f"## Paired against epikv: {heading}" in md  # acronyms keep their case mid-sentence
     for k, cell in zip((64, 96), paired["streaming"]):
         s, e = metric("streaming", k, "answer_nll_increase"), metric("epikv", k, "answer_nll_increase")
         diff = sum(s[t] - e[t] for t in s) / 2

@@ -178,6 +178,12 @@ def _plot_paired(records, reference: str, path: Path) -> bool:
     return True
 
 
+def _lower_first(title: str) -> str:
+    """'Top-1 agreement' -> 'top-1 agreement' inside a sentence; an acronym ('NLL', 'KL(full') stays as it is."""
+    word = title.split(" ", 1)[0]
+    return title if len(word) > 1 and word[1].isupper() else title[:1].lower() + title[1:]
+
+
 def _sections(records, rows: list[dict], references: tuple[str, ...]) -> str:
     parts = []
     for metric, (title, kw) in GRIDS.items():
@@ -188,7 +194,7 @@ def _sections(records, rows: list[dict], references: tuple[str, ...]) -> str:
             t = paired_table(records, reference, metric, **kw)
             if t:
                 better = "lower" if LOWER_IS_BETTER[metric] else "higher"
-                parts.append(f"## Paired against {reference}: {title[0].lower() + title[1:]}\n\nPolicy minus "
+                parts.append(f"## Paired against {reference}: {_lower_first(title)}\n\nPolicy minus "
                              f"{reference} on the traces both have, mean [95% bootstrap CI over traces]; {better} is "
                              f"better; \"better on\": traces where the policy beat {reference}. **Bold**: the interval "
                              "excludes 0, a difference these traces support (one interval per cell, no correction "
