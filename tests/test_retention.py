@@ -368,6 +368,23 @@ def test_other_intervals_are_other_rows_and_pair_with_the_default():
     assert rows[("epikv", 64)]["answer_nll_increase"][0] == pytest.approx(0.5)
     d = {r["policy"]: r for r in paired(recs, "epikv")}["epikv@tau=128"]
     assert d["n"] == 3 and d["diff"][0] == pytest.approx(-0.3)
+    # the like-for-like reference of the Seg family: epikv at its interval, by its label
+    d = {r["policy"]: r for r in paired(recs, "epikv@tau=128")}["epikv-seg"]
+    assert d["n"] == 3 and d["diff"][0] == pytest.approx(-0.1)
+
+
+def test_a_labelled_reference_gets_its_section_and_a_plain_file_name(tmp_path):
+    from epikv.retention.report import render_retention
+
+    recs = [{**_rec("epikv", 64, str(i), answer_nll_increase=0.5), "tau": 16} for i in range(3)]
+    recs += [{**_rec("epikv", 64, str(i), answer_nll_increase=0.2), "tau": 128} for i in range(3)]
+    recs += [{**_rec("epikv-seg", 64, str(i), answer_nll_increase=0.1), "tau": 128} for i in range(3)]
+    recs += [{**_rec("h2o", 64, str(i), answer_nll_increase=0.3), "tau": 16} for i in range(3)]
+    written = {p.name for p in render_retention(recs, tmp_path, reference=("epikv", "epikv@tau=128"))}
+    assert {"retention_paired_epikv.png", "retention_paired_epikv_tau_128.png"} <= written
+    md = (tmp_path / "retention.md").read_text()
+    cell = _md_table(md, "Paired against epikv@tau=128: answer-NLL")["epikv-seg"][0]
+    assert cell.startswith("**-0.1000 [") and "better on 3/3" in cell
 
 
 def test_a_variant_is_another_row_of_one_invocation_with_its_settings(tmp_path, capsys):

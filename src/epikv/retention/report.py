@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from .bootstrap import LOWER_IS_BETTER, aggregate, paired
@@ -232,7 +233,7 @@ def render_retention(records, out_dir, reference: str | tuple[str, ...] = ("epik
         _plot(rows, metric, label, path)
         written.append(path)
     for reference in references:
-        path = out / f"retention_paired_{reference}.png"
+        path = out / f"retention_paired_{re.sub(r'[^A-Za-z0-9._-]+', '_', reference)}.png"  # epikv@tau=128: epikv_tau_128
         if _plot_paired(records, reference, path):
             written.append(path)
     return written
