@@ -302,6 +302,36 @@ def test_rkv_redundancy_zeroes_newest_similar_entry_and_averages_columns():
     assert (red_p[:3] == 0).all()
 
 
+def _redundancy_by_rows(k, real, threshold):
+    """cal_similarity's rule one row at a time, on the real slots only (as the unpadded row)."""
+    out = torch.zeros(k.shape[:3])
+    for b in range(k.shape[0]):
+        idx = real[b].nonzero().flatten()
+        for h in range(k.shape[1]):
+            kn = torch.nn.functional.normalize(k[b, h, idx].double(), dim=-1)
+            s = kn @ kn.T
+            s.fill_diagonal_(0.0)
+            for i in range(len(idx)):
+                over = (s[i] > threshold).nonzero().flatten()
+                s[i, int(over.max()) if len(over) else 0] = 0.0  # the newest similar column, else the first
+            out[b, h, idx] = torch.softmax(s.mean(0), -1).float()
+    return out
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.0, -0.4, 0.95])
+def test_rkv_redundancy_matches_the_rule_row_by_row(threshold):
+    """Random keys with near-duplicates (many rows over the threshold), left padding of different lengths."""
+    torch.manual_seed(7)
+    n = 40
+    k = torch.randn(3, 2, n, 8)
+    k[:, :, 1::3] = k[:, :, 0::3][:, :, : k[:, :, 1::3].shape[2]] + 0.05 * torch.randn_like(k[:, :, 1::3])
+    real = torch.ones(3, n, dtype=torch.bool)
+    real[1, :5] = False
+    real[2, :17] = False
+    got = redundancy(k, real, threshold)
+    torch.testing.assert_close(got.masked_fill(~real[:, None, :], 0.0), _redundancy_by_rows(k, real, threshold))
+
+
 def test_window_attention_pools_group_logits_by_max_before_softmax_and_skips_the_window():
     """2 query heads on 1 KV head, window w = 2, n = 6: keys c_j * e0 with c = [1, 2, 0, -1 | 5, 5] (the window's own
     keys are huge and must not take part). Head 0's queries are 2 e0 and -e0, head 1's -2 e0 and e0 (d = 4, so the

@@ -19,13 +19,18 @@ def redundancy(k: torch.Tensor, real: torch.Tensor, threshold: float) -> torch.T
     b, _, n, _ = k.shape
     k = k.float()
     kn = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    # n x n per head on every eviction: edited in place, one byte per entry for the threshold test (the first,
+    # out-of-place version spent 2x the time in copies and an int64 candidate matrix)
     sim = kn @ kn.transpose(-1, -2)  # [batch, kv_heads, n, n]
-    pair = real[:, None, :, None] & real[:, None, None, :]
-    sim = sim.masked_fill(~pair | torch.eye(n, dtype=torch.bool, device=k.device), 0.0)
-    first = (~real).sum(-1).clamp(max=n - 1)  # [batch] first real slot (left padding)
-    col = torch.arange(n, device=k.device)
-    cand = torch.where(sim > threshold, col, first[:, None, None, None])
-    sim = sim.scatter(-1, cand.amax(-1, keepdim=True), 0.0)  # the newest similar copy is not counted against i
+    if not bool(real.all()):
+        sim.masked_fill_(~(real[:, None, :, None] & real[:, None, None, :]), 0.0)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    first = (~real).sum(-1).clamp(max=n - 1)[:, None, None]  # [batch, 1, 1] first real slot (left padding)
+    rev = (sim > threshold).view(torch.uint8).flip(-1)  # [batch, kv_heads, n, n], newest column first
+    last = rev.argmax(-1, keepdim=True)  # the first maximum: the newest column over the threshold, if any
+    found = rev.gather(-1, last).bool()
+    newest = torch.where(found, torch.maximum((n - 1) - last, first[..., None]), first[..., None])
+    sim.scatter_(-1, newest, 0.0)  # the newest similar copy is not counted against i
     red = sim.sum(-2) / real.sum(-1).clamp(min=1)[:, None, None]  # column mean over the real rows
     return red.masked_fill(~real[:, None, :], float("-inf")).softmax(-1)
 
