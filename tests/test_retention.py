@@ -240,6 +240,9 @@ def test_bad_input_is_one_line_error(tmp_path, capsys):
     assert "unknown policy 'nope'" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(EpiKVError):
         run_retention(None, None, [GOOD], tmp_path / "o2", ["epikv"], [64], tau=0)
+    # a variant without the settings it names is refused, never run as the plain policy
+    with pytest.raises(EpiKVError, match="needs settings_for"):
+        run_retention(None, None, [GOOD], tmp_path / "o3", ["epikv", "epikv[reserve=16]"], [64])
 
 
 def _md_table(md: str, title: str) -> dict[str, list[str]]:

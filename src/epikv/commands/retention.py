@@ -35,8 +35,9 @@ def register(sub) -> None:
     add_model_args(p)
     add_policy_args(p, multi=True)
     p._option_string_actions["--tau"].help = "eviction interval: tokens per chunk fed between evictions (default 16)"
-    p._option_string_actions["--policies"].help = ("comma-separated policies; a variant POLICY[SETTING=VALUE, ...] (e.g. epikv[reserve=16], the label "
-                "the report prints) is another row, run against the same reference pass")
+    p._option_string_actions["--policies"].help = (
+        "comma-separated policies; a variant POLICY[SETTING=VALUE, ...] (e.g. epikv[reserve=16], the label the report "
+        "prints) is another row, run against the same reference pass")
     p.set_defaults(run=run, tau=16, policies=["full", "epikv", "lag-kv", "streaming", "random"],
                    budgets=[256, 512, 1024])
 

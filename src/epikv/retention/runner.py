@@ -340,7 +340,11 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     whose rows share a random generator still run one trace at a time. Returns a summary dict."""
     from ..progress import Progress
 
-    settings_for = settings_for or (lambda spec: {})
+    if settings_for is None:  # a variant's settings come from the caller's parser (the CLI's `policy_variant`)
+        odd = [spec for spec in policies if _name(spec) != spec]
+        if odd:
+            raise EpiKVError(f"policy variant {odd[0]!r} needs settings_for to give its settings")
+        settings_for = lambda spec: {}  # noqa: E731
     if not isinstance(tau, int) or tau < 1:
         raise EpiKVError(f"tau must be a positive integer, got {tau!r}")
     if not isinstance(batch_traces, int) or isinstance(batch_traces, bool) or batch_traces < 1:
