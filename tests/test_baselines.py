@@ -318,17 +318,21 @@ def _redundancy_by_rows(k, real, threshold):
     return out
 
 
+@pytest.mark.parametrize("block", [1, 3, 128])
 @pytest.mark.parametrize("threshold", [0.5, 0.0, -0.4, 0.95])
-def test_rkv_redundancy_matches_the_rule_row_by_row(threshold):
-    """Random keys with near-duplicates (many rows over the threshold), left padding of different lengths."""
+def test_rkv_redundancy_matches_the_rule_row_by_row(threshold, block):
+    """Random keys with near-duplicates (many rows over the threshold), left padding of different lengths. The
+    newest-first block search (block 1 and 3: many rounds, rows found in different ones; 128: one round) must find
+    what a search of the whole row finds."""
     torch.manual_seed(7)
     n = 40
     k = torch.randn(3, 2, n, 8)
     k[:, :, 1::3] = k[:, :, 0::3][:, :, : k[:, :, 1::3].shape[2]] + 0.05 * torch.randn_like(k[:, :, 1::3])
+    k[0, 1, 6] = 0.0  # a zero key: cosine 0 with everything, its own included
     real = torch.ones(3, n, dtype=torch.bool)
     real[1, :5] = False
     real[2, :17] = False
-    got = redundancy(k, real, threshold)
+    got = redundancy(k, real, threshold, block=block)
     torch.testing.assert_close(got.masked_fill(~real[:, None, :], 0.0), _redundancy_by_rows(k, real, threshold))
 
 
