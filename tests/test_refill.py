@@ -38,7 +38,7 @@ def _oracle_logits(model, ids, allowed):
     return model(ids, attention_mask=mask[None, None]).logits[0, rows], rows
 
 
-@pytest.mark.parametrize("policy", ["epikv", "streaming", "random"])
+@pytest.mark.parametrize("policy", ["epikv", "streaming", "random", "kv-key", "kv-val"])
 @pytest.mark.parametrize("tau,chunk", [(1, 1), (3, 1), (4, 4)])
 def test_refilled_cache_equals_the_masked_full_model(tiny, policy, tau, chunk):
     m = tiny.model

@@ -234,10 +234,12 @@ def test_value_reserve_keeps_top_values_and_displaces_lowest_scored():
     low = [prot + int(i) for i in score[0, prot : n - recent].argsort()[:n_res]]
     for v in values:  # the lowest-scored evictable slots get the largest value spread
         v[0, :, low] *= 10
-    view = _view(n, budget, recent, n_protect=prot, token_data={"score": score}, values=values)
+    vstat = slot_statistic(values, "range", torch.device("cpu"))  # what on_tokens recorded on arrival
+    view = _view(n, budget, recent, n_protect=prot, token_data={"score": score, "vstat": vstat})
     plain = set(select_keep(get_policy("epikv").scores(None, view), view)[0].tolist())
     pol = get_policy("epikv", reserve=n_res)
-    assert pol.observes(32).keys_values and not get_policy("epikv").observes(32).keys_values
+    obs = pol.observes(32)
+    assert obs.arriving_kv and not obs.keys_values and not get_policy("epikv").observes(32).arriving_kv
     keep = select_keep(pol.scores(None, view), view)[0].tolist()
     assert len(keep) == budget  # still exactly K
     val = slot_statistic(values, "range", torch.device("cpu"))[0]
@@ -251,6 +253,31 @@ def test_value_reserve_keeps_top_values_and_displaces_lowest_scored():
         get_policy("epikv", reserve_stat="max")
     with pytest.raises(EpiKVError, match="swap"):
         get_policy("epikv-seg", reserve=4)
+
+
+@pytest.mark.parametrize("stat", ["range", "var", "norm"])
+def test_value_reserve_statistic_is_taken_on_arrival_and_follows_refilled_slots(tiny, stat):
+    """The reserve reads each token's values when it is written and no cache at eviction, so the cache refills its
+    holes (slots out of true order) as for plain epikv; the recorded statistic must stay that of the values each
+    kept token holds, through refills and multi-token chunks."""
+    from epikv.engine import Decoder
+    from epikv.policies.kv_var import slot_statistic
+
+    pol = get_policy("epikv", reserve=3, reserve_stat=stat, tau=2, recent=4)
+    ids = torch.randint(10, 2000, (1, 70), generator=torch.Generator().manual_seed(3))
+    refilled = False
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, pol, budget=16)
+        dec.prefill(ids[:, :6], [0])
+        for s in range(6, 70, 3):
+            dec.step(ids[:, s : s + 3])
+            c = dec.cache
+            phys = c._phys if c._phys is not None else torch.arange(c.layers[0].length)[None]
+            refilled |= c._phys is not None and not torch.equal(phys[0], phys[0].sort().values)
+            values = [l.values[:, :, phys[0]] for l in c.layers]  # true order
+            torch.testing.assert_close(c.token_data["vstat"], slot_statistic(values, stat, torch.device("cpu")))
+        assert c.evictions > 10
+    assert refilled, "the reserve never took the refill path"
 
 
 # -- Seg-Q -------------------------------------------------------------------------------------------------------------

@@ -456,6 +456,7 @@ class EpiKVCache(Cache):
         self._capture_hidden = frozenset(obs.hidden_layers)
         self._capture_attn = frozenset(obs.attention_layers)
         self._needs_kv = obs.keys_values
+        self._arriving_kv = obs.arriving_kv and not obs.keys_values  # the new tokens' slots only
         self._n_queries = obs.queries
         self._query_layers = frozenset(obs.query_layers or range(self.n_layers))
         # layers the policy never compresses (knorm's first two): they keep every token; lengths come from `_ref`
@@ -674,8 +675,7 @@ class EpiKVCache(Cache):
         obs = StepObservation(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos,
                               stored=self.token_data, n_protect=self.n_protect,
                               kv_heads=self.layers[self._ref].keys.shape[1],
-                              keys=[self.layers[i].keys for i in self._kv_layers] if self._needs_kv else [],
-                              values=[self.layers[i].values for i in self._kv_layers] if self._needs_kv else [])
+                              keys=self._step_kv("keys", t), values=self._step_kv("values", t))
         n_old = self._stored_after_step
         new = self.policy.on_tokens(self.state, obs)
         new["pos"] = pos  # true position of every stored token, kept aligned through evictions
@@ -694,6 +694,15 @@ class EpiKVCache(Cache):
         self._stored_after_step = self.layers[self._ref].length
         if not self._hold:
             self._end_step()
+
+    def _step_kv(self, which: str, t: int) -> list[torch.Tensor]:
+        """What a step shows of the stored keys or values: every slot (Observes.keys_values), the t new ones, which
+        the forward wrote after every stored slot (Observes.arriving_kv), or nothing."""
+        if self._needs_kv:
+            return [getattr(self.layers[i], which) for i in self._kv_layers]
+        if self._arriving_kv:
+            return [getattr(self.layers[i], which)[:, :, -t:] for i in self._kv_layers]
+        return []
 
     def view(self) -> CacheView:
         return CacheView(

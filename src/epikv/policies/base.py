@@ -23,6 +23,9 @@ class Observes:
     hidden_layers: tuple[int, ...] = ()  # outputs of these decoder blocks (hidden_states[l + 1] in HF terms)
     attention_layers: tuple[int, ...] = ()  # softmax attention weights of these layers (forces eager attention)
     keys_values: bool = False  # the cached keys / values at eviction time
+    # the keys / values of the tokens just written, in on_tokens only: a statistic taken on arrival (keys and values
+    # never change once cached), so the cache may still refill its holes at eviction (see EpiKVCache)
+    arriving_kv: bool = False
     queries: int = 0  # the last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)
     query_layers: tuple[int, ...] = ()  # the layers whose queries are recomputed; () = every layer
 
@@ -34,6 +37,8 @@ class Observes:
             parts.append(f"attention weights at {len(self.attention_layers)} layers")
         if self.keys_values:
             parts.append("cached keys/values")
+        elif self.arriving_kv:
+            parts.append("keys/values on arrival")
         if self.queries:
             where = (" at blocks " + ",".join(map(str, self.query_layers))) if self.query_layers else ""
             parts.append(f"last {self.queries} query states{where} (recomputed)")
@@ -55,7 +60,9 @@ class StepObservation:
     kv_heads: int = 0  # KV heads per layer (per-head token data is [batch, layers, kv_heads, n])
     # Observes.keys_values: per layer the stored keys / values [batch, kv_heads, n_old + T, head_dim], the T new
     # tokens last (views, do not modify): what a score computed at arrival reads. On a hybrid model only its
-    # full-attention layers are listed (sliding-window layers hold their window, are never evicted)
+    # full-attention layers are listed (sliding-window layers hold their window, are never evicted).
+    # Observes.arriving_kv alone: the T new tokens only, [batch, kv_heads, T, head_dim] (the stored slots may be out
+    # of true order then)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
 

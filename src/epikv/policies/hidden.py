@@ -22,7 +22,9 @@ class HiddenStatePolicy(Policy):
     section 4): at each eviction, among the evictable slots (after the protected prefix, before the recency window)
     the top N by a value statistic (`reserve_stat`: range = max - min over head_dim, var, or L2 norm, averaged over
     KV heads then layers) are always kept; they displace the lowest-scored survivors, so the cache is still exactly
-    K. If N exceeds the free slots, the highest-value reserved slots win.
+    K. If N exceeds the free slots, the highest-value reserved slots win. The statistic is taken from each token's
+    values when it enters the cache (they never change), so the policy reads no cache at eviction and the cache may
+    refill its holes as for the plain policy.
     """
 
     window: int = 64  # trailing window W of the rolling statistics
@@ -46,7 +48,7 @@ class HiddenStatePolicy(Policy):
 
     def observes(self, n_layers: int) -> Observes:
         return Observes(hidden_layers=tuple(sorted({l for ch in self.channels(n_layers) for l in ch})),
-                        keys_values=self.reserve > 0)
+                        arriving_kv=self.reserve > 0)
 
     def init_state(self, batch: int, n_layers: int, device: torch.device) -> Any:
         chans = self.channels(n_layers)
@@ -66,19 +68,25 @@ class HiddenStatePolicy(Policy):
         g_layers, g_valid = state["delta"].update(h, obs.valid)  # [batch, layers, T]
         g = torch.einsum("cl,blt->bct", state["_avg"], g_layers)  # [batch, channels, T]
         score = self.combine(g, state["stats"], g_valid)
-        return {"score": torch.where(obs.valid, score, torch.zeros_like(score))}
+        out = {"score": torch.where(obs.valid, score, torch.zeros_like(score))}
+        if self.reserve:  # the value statistic of the T new tokens, the last T slots of each layer
+            from .kv_var import slot_statistic
+
+            t = obs.valid.shape[1]
+            vstat = slot_statistic([v[:, :, -t:] for v in obs.values], self.reserve_stat, dev)  # [batch, T]
+            out["vstat"] = vstat.masked_fill(~obs.valid, 0.0)
+        return out
 
     def scores(self, state: Any, view: CacheView) -> torch.Tensor:
         if self.reserve:
-            return reserve_priority(view.token_data["score"], view, self.reserve, self.reserve_stat)
+            return reserve_priority(view.token_data["score"], view.token_data["vstat"], view, self.reserve)
         return view.token_data["score"]
 
 
-def reserve_priority(score: torch.Tensor, view: CacheView, n_reserve: int, stat: str) -> torch.Tensor:
-    """score [batch, n] -> a priority for `select_keep` in which the top `n_reserve` evictable slots by the value
-    statistic outrank every other evictable slot (ranks instead of scores: exact whatever the scores' scale)."""
-    from .kv_var import slot_statistic
-
+def reserve_priority(score: torch.Tensor, value_stat: torch.Tensor, view: CacheView, n_reserve: int) -> torch.Tensor:
+    """score, value_stat [batch, n] -> a priority for `select_keep` in which the top `n_reserve` evictable slots by
+    the value statistic outrank every other evictable slot (ranks instead of scores: exact whatever the scores'
+    scale)."""
     dev = view.device
     n = view.length
     pr = torch.nan_to_num(score.to(dev).float(), nan=-3e38)
@@ -86,7 +94,7 @@ def reserve_priority(score: torch.Tensor, view: CacheView, n_reserve: int, stat:
     rank = torch.empty_like(pr).scatter_(-1, pr.argsort(-1), ar)  # 0 = lowest score
     idx = torch.arange(n, device=dev)
     evictable = (idx >= (view.n_pad + view.n_protect).to(dev)[:, None]) & (idx < n - view.recent)  # [batch, n]
-    val = slot_statistic(view.values, stat, dev).masked_fill(~evictable, float("-inf"))
+    val = value_stat.to(dev).float().masked_fill(~evictable, float("-inf"))
     top = val.topk(min(n_reserve, n), dim=-1)
     reserved = torch.zeros_like(evictable).scatter_(-1, top.indices, torch.isfinite(top.values))
     vrank = torch.empty_like(pr).scatter_(-1, val.argsort(-1), ar)

@@ -64,7 +64,7 @@ class KVKeyVariance(Policy):
             raise EpiKVError(f"{self.name}: window must be at least 1, got {self.window}")
 
     def observes(self, n_layers):
-        return Observes(keys_values=True)
+        return Observes(arriving_kv=True)  # the new tokens' keys / values only: the cache may refill its holes
 
     def init_state(self, batch, n_layers, device):
         return {"stats": RollingStats(self.window)}
