@@ -9,6 +9,7 @@ import torch
 
 from ..signals import HiddenDelta, RollingStats, check_layers, scale_band, scale_layer
 from .base import CacheView, Observes, Policy, StepObservation
+from .kv_var import check_stat, slot_statistic
 
 REF_A, REF_B = 10, 21  # the paper's layers for a 32-block model
 REF_BAND_A, REF_BAND_B = (7, 13), (18, 25)
@@ -34,8 +35,6 @@ class HiddenStatePolicy(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        from .kv_var import check_stat
-
         check_stat(self.name, "reserve_stat", self.reserve_stat)
 
     def channels(self, n_layers: int) -> list[tuple[int, ...]]:
@@ -70,8 +69,6 @@ class HiddenStatePolicy(Policy):
         score = self.combine(g, state["stats"], g_valid)
         out = {"score": torch.where(obs.valid, score, torch.zeros_like(score))}
         if self.reserve:  # the value statistic of the T new tokens, the last T slots of each layer
-            from .kv_var import slot_statistic
-
             t = obs.valid.shape[1]
             vstat = slot_statistic([v[:, :, -t:] for v in obs.values], self.reserve_stat, dev)  # [batch, T]
             out["vstat"] = vstat.masked_fill(~obs.valid, 0.0)
