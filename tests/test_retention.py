@@ -11,7 +11,7 @@ import torch
 from epikv.cli import main
 from epikv.engine import Decoder
 from epikv.errors import EpiKVError
-from epikv.retention.bootstrap import aggregate, bootstrap_ci, paired
+from epikv.retention.bootstrap import aggregate, bootstrap_ci, holm, paired, signed_rank_p
 from epikv.retention.report import grid, paired_table
 from epikv.retention.runner import policy_pass, prepare_traces, reference_metrics, reference_pass, run_retention
 from epikv.retention.store import append_record, read_records
@@ -130,6 +130,46 @@ def test_paired_differences_are_per_trace_on_common_traces():
     assert "| a | **-0.1000 [-0.1000, -0.1000]**, better on 4/4 |" in table  # bold: the interval excludes 0
     assert "| b | +0.1000 [" in table  # not bold: its interval holds 0
     assert paired_table(recs, "absent", "answer_nll_increase") == ""
+
+
+def test_holm_adjusts_step_down_and_stays_monotone():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04, the last raised to 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.6]) == [1.0, 1.0] and holm([]) == []
+
+
+def test_signed_rank_p_is_wilcoxons_exact_two_sided_value():
+    # eight differences of one sign: 2 of the 2^8 sign patterns are as extreme
+    assert signed_rank_p([-0.1 * (i + 1) for i in range(8)]) == pytest.approx(2 / 256)
+    # the smallest one flipped: W+ = 1, reached by 2 patterns on that side (rank sets {} and {1})
+    assert signed_rank_p([0.1] + [-0.1 * (i + 2) for i in range(7)]) == pytest.approx(4 / 256)
+    # zeros carry no sign and are dropped; no differences at all are no evidence
+    assert signed_rank_p([0.0, 0.0] + [-0.1 * (i + 1) for i in range(8)]) == pytest.approx(2 / 256)
+    assert signed_rank_p([0.0, 0.0, 0.0]) == 1.0
+
+
+def test_paired_table_daggers_only_what_survives_holm():
+    """Bold marks an interval that excludes 0; the dagger needs the signed-rank test to survive Holm over the whole
+    table: 4 traces all better are bold but can reach only p = 1/8, 10 traces all better survive 4 comparisons, 8
+    of 10 do not."""
+    ref = [0.5 * (i + 1) for i in range(10)]
+    recs = [_rec("epikv", 64, str(i), answer_nll_increase=v) for i, v in enumerate(ref)]
+    recs += [_rec("strong", 64, str(i), answer_nll_increase=v - 0.01 * (i + 1)) for i, v in enumerate(ref)]
+    recs += [_rec("few", 64, str(i), answer_nll_increase=ref[i] - 0.1) for i in range(4)]
+    # better on 7 of 10 but worse by more on 3: the mean is near 0 and the test finds nothing
+    recs += [_rec("mixed", 64, str(i), answer_nll_increase=v + (0.3 if i < 3 else -0.1)) for i, v in enumerate(ref)]
+    # better on 8 of 10, worse on the ranks 1 and 4: W+ = 5, p = 2 x 10/1024 below 0.05 alone, not after Holm
+    recs += [_rec("border", 64, str(i), answer_nll_increase=v + (1 if i in (0, 3) else -1) * 0.01 * (i + 1))
+             for i, v in enumerate(ref)]
+    rows = {r["policy"]: r for r in paired(recs, "epikv")}
+    assert rows["strong"]["p"] == pytest.approx(2 / 1024) and rows["few"]["p"] == pytest.approx(2 / 16)
+    assert rows["border"]["p"] == pytest.approx(20 / 1024)
+    table = paired_table(recs, "epikv", "answer_nll_increase")
+    lines = {ln.split(" | ")[0].lstrip("| "): ln for ln in table.splitlines()}
+    assert lines["strong"].endswith("better on 10/10 † |")  # 4 x 2/1024 < 0.05
+    assert "†" not in lines["border"] and "better on 8/10 |" in lines["border"]  # 3 x 20/1024 > 0.05
+    assert "**-0.1000 [-0.1000, -0.1000]**, better on 4/4 |" in lines["few"]  # bold, no dagger
+    assert "†" not in lines["mixed"] and "better on 7/10 |" in lines["mixed"]
 
 
 def test_aggregate_dedupes_merged_folders_and_separates_settings():

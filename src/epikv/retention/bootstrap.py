@@ -96,13 +96,40 @@ def per_trace(records, metric: str) -> dict[tuple, dict[str, float]]:
     return out
 
 
+def signed_rank_p(diff) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of paired differences against 0 (exact for the run's trace counts).
+    Zero differences carry no sign and are dropped, as in Wilcoxon's test; with none left, 1."""
+    from scipy.stats import wilcoxon
+
+    d = np.asarray([v for v in diff if v is not None], dtype=float)
+    d = d[d != 0]
+    if d.size == 0:
+        return 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy warns that a handful of differences gives little power
+        return float(wilcoxon(d).pvalue)
+
+
+def holm(pvalues) -> list[float]:
+    """Holm's step-down adjustment: the i-th smallest of m p-values times (m - i), i from 0, made monotone and capped
+    at 1. Rejecting where the adjusted value is below alpha controls the chance of any false claim among the m."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    out = [1.0] * len(pvalues)
+    run = 0.0
+    for rank, i in enumerate(order):
+        run = max(run, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        out[i] = run
+    return out
+
+
 def paired(records, reference: str, metric: str = "answer_nll_increase", confidence: float = 0.95,
            n_resamples: int = 2000) -> list[dict]:
     """Each policy minus `reference` at the same budget, on the traces both have (a paired comparison).
 
     Traces differ far more from each other than policies do on one trace, so only paired differences say whether
     one policy beats another. One row per (budget, policy): n common traces, the mean difference with its
-    bootstrap CI over traces, and `better`: on how many of those traces the policy beat the reference."""
+    bootstrap CI over traces, `better`: on how many of those traces the policy beat the reference, and `p`: the
+    two-sided Wilcoxon signed-rank p-value of the differences (uncorrected; see `holm`)."""
     values = per_trace(records, metric)
     lower = LOWER_IS_BETTER.get(metric, True)
     rows = []
@@ -116,5 +143,6 @@ def paired(records, reference: str, metric: str = "answer_nll_increase", confide
         diff = np.array([vals[t] - ref[t] for t in common])
         better = int((diff < 0).sum() if lower else (diff > 0).sum())
         rows.append({"policy": policy, "budget": budget, "reference": reference, "metric": metric,
-                     "n": len(common), "better": better, "diff": bootstrap_ci(diff, confidence, n_resamples)})
+                     "n": len(common), "better": better, "diff": bootstrap_ci(diff, confidence, n_resamples),
+                     "p": signed_rank_p(diff)})
     return rows
