@@ -3,7 +3,10 @@
 import contextlib
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -170,6 +173,25 @@ def test_paired_table_daggers_only_what_survives_holm():
     assert "†" not in lines["border"] and "better on 8/10 |" in lines["border"]  # 3 x 20/1024 > 0.05
     assert "**-0.1000 [-0.1000, -0.1000]**, better on 4/4 |" in lines["few"]  # bold, no dagger
     assert "†" not in lines["mixed"] and "better on 7/10 |" in lines["mixed"]
+
+
+def test_report_with_daggers_is_written_under_an_ascii_locale(tmp_path):
+    """The dagger is not ASCII: retention.md is written as UTF-8 whatever the user's locale (a C locale without
+    coercion made `epikv report` die with UnicodeEncodeError)."""
+    script = (
+        "import json, sys\n"
+        "from epikv.retention.report import render_retention\n"
+        "render_retention(json.loads(sys.argv[1]), sys.argv[2], reference='epikv')\n"
+    )
+    ref = [0.5 * (i + 1) for i in range(10)]
+    recs = [_rec("epikv", 64, str(i), answer_nll_increase=v) for i, v in enumerate(ref)]
+    recs += [_rec("strong", 64, str(i), answer_nll_increase=v - 0.01 * (i + 1)) for i, v in enumerate(ref)]
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    res = subprocess.run([sys.executable, "-X", "utf8=0", "-c", script, json.dumps(recs), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-500:]
+    assert "better on 10/10 †" in (tmp_path / "retention.md").read_text(encoding="utf-8")
 
 
 def test_aggregate_dedupes_merged_folders_and_separates_settings():

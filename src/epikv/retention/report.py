@@ -232,7 +232,7 @@ def render_retention(records, out_dir, reference: str | tuple[str, ...] = ("epik
     md.write_text(f"# Retention\n\n{head}. Mean over traces with 95% percentile-bootstrap CIs over traces "
                   "(2000 resamples). Answer NLL increase: answer NLL (teacher-forced text after `</think>`) minus "
                   "the full cache's; top-1 agreement and KL(full || policy) over the reasoning span. "
-                  "(n) = traces.\n\n" + _sections(records, rows, references))
+                  "(n) = traces.\n\n" + _sections(records, rows, references), encoding="utf-8")  # the dagger
     summary = out / "retention_summary.json"
     summary.write_text(json.dumps(rows, indent=1) + "\n")
     written = [md, summary]
