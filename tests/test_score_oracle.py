@@ -21,9 +21,13 @@ def oracle_z(g: list[float]) -> list[float]:
     return naive_z(g, window=64)
 
 
-def test_epikv_scores_equal_an_oracle_from_output_hidden_states(smollm2):
+@pytest.mark.parametrize("window_over", ["decode", "all"])
+def test_epikv_scores_equal_an_oracle_from_output_hidden_states(smollm2, window_over):
     """A few hundred tokens through the engine (a chunked prefill, then single decode steps, no eviction); the
-    stored per-token scores equal z_A - z_B from hidden_states[A + 1], [B + 1] of one forward over all tokens."""
+    stored per-token scores equal z_A - z_B from hidden_states[A + 1], [B + 1] of one forward over all tokens.
+    "decode" (the default, the authors' code): the rolling window holds decode tokens only, so prompt tokens score
+    0, the first decode token (one g value) too, and its g is taken against the last prompt token's state; "all":
+    the window runs over the prompt's tokens as well."""
     model, tok = smollm2.model, smollm2.tokenizer
     text = " ".join(f"Step {i}: we add {i} and {3 * i + 1}, which gives {4 * i + 1}; then we check it." for i in range(20))
     ids = torch.tensor([tok(text)["input_ids"][:260]])  # [1, 260]
@@ -32,7 +36,7 @@ def test_epikv_scores_equal_an_oracle_from_output_hidden_states(smollm2):
     assert (a, b) == (9, 20)
     p = 200
     with torch.inference_mode():
-        dec = Decoder(model, "epikv", 4096)  # never evicts: every token's score stays stored
+        dec = Decoder(model, "epikv", 4096, window_over=window_over)  # never evicts: every score stays stored
         dec.prefill(ids[:, :p], [0], chunk=64)
         for s in range(p, ids.shape[1]):
             dec.step(ids[:, s : s + 1])
@@ -44,12 +48,17 @@ def test_epikv_scores_equal_an_oracle_from_output_hidden_states(smollm2):
         h = hs[block + 1][0].double()  # output of decoder block `block`
         return (h[1:] - h[:-1]).norm(dim=-1).tolist()
 
-    za, zb = oracle_z(g_of(a)), oracle_z(g_of(b))
-    want = torch.tensor([0.0] + [x - y for x, y in zip(za, zb)], dtype=torch.float64)
-    assert stored[:2].tolist() == [0.0, 0.0]  # no g for token 0; a single g value for token 1: z = 0
+    if window_over == "all":
+        za, zb = oracle_z(g_of(a)), oracle_z(g_of(b))
+        want = torch.tensor([0.0] + [x - y for x, y in zip(za, zb)], dtype=torch.float64)
+        assert stored[:2].tolist() == [0.0, 0.0]  # no g for token 0; a single g value for token 1: z = 0
+    else:  # g of tokens p.. (token t's g is entry t - 1), z-scored among themselves
+        za, zb = oracle_z(g_of(a)[p - 1:]), oracle_z(g_of(b)[p - 1:])
+        want = torch.tensor([0.0] * p + [x - y for x, y in zip(za, zb)], dtype=torch.float64)
+        assert stored[: p + 1].abs().max().item() == 0.0  # the prompt, and the first decode token (one g value)
     torch.testing.assert_close(stored, want, atol=2e-3, rtol=2e-3)
     big = want.abs() > 0.1
-    assert big.sum() > 150 and (stored[big].sign() == want[big].sign()).all()
+    assert big.sum() > (150 if window_over == "all" else 40) and (stored[big].sign() == want[big].sign()).all()
     assert (want > 0.1).any() and (want < -0.1).any()  # both signs occur: a flipped A - B could not pass
 
 

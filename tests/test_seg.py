@@ -379,13 +379,16 @@ def test_seg_q_is_not_attention_free_and_keeps_flash(tiny):
 
 # -- KV-key / KV-val / Lag-KV-key ---------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("window_over", ["decode", "all"])
 @pytest.mark.parametrize("name", ["kv-key", "kv-val"])
-def test_kv_variance_rolling_mean_at_arrival(tiny, name):
+def test_kv_variance_rolling_mean_at_arrival(tiny, name, window_over):
+    """The score is the rolling mean of the arriving key (value) variance over the last `window` tokens; by default
+    (the authors' code) the window holds decode tokens only and prompt tokens score 0."""
     from transformers import DynamicCache
 
     window = 4
     ids = torch.randint(0, 1000, (1, 14), generator=torch.Generator().manual_seed(6))
-    dec = Decoder(tiny.model, name, 1000, window=window)
+    dec = Decoder(tiny.model, name, 1000, window=window, window_over=window_over)
     with torch.inference_mode():
         dec.prefill(ids[:, :6], [0])  # a chunk, then single tokens: the same as token by token
         for i in range(6, 14):
@@ -395,7 +398,9 @@ def test_kv_variance_rolling_mean_at_arrival(tiny, name):
     side = "keys" if name == "kv-key" else "values"
     per_layer = [getattr(l, side) for l in cache.layers]
     var = sum(x.float().var(-1, unbiased=True).mean(1) for x in per_layer)[0] / len(per_layer)  # [n]
-    roll = torch.stack([var[max(0, t - window + 1) : t + 1].mean() for t in range(14)])
+    first = 0 if window_over == "all" else 6  # the first token a window may hold
+    roll = torch.stack([var[max(first, t - window + 1) : t + 1].mean() if t >= first else var.new_zeros(())
+                        for t in range(14)])
     torch.testing.assert_close(dec.cache.token_data["score"][0], roll, atol=1e-5, rtol=1e-5)
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .errors import EpiKVError
+from .signals import model_depth
 from .policies import CacheView, Policy, StepObservation, get_policy
 
 
@@ -420,7 +421,7 @@ class EpiKVCache(Cache):
                  **policy_settings) -> None:
         self.policy = get_policy(policy, tau=tau, **policy_settings)
         layers = decoder_layers(model)
-        self.n_layers = len(layers)
+        self.n_layers = model_depth(model.config, len(layers))  # an int that also names the architecture
         sliding, self.window = attention_layout(model, self.n_layers)
         if sliding and len(sliding) == self.n_layers:
             if self.policy.evicts:
@@ -493,7 +494,7 @@ class EpiKVCache(Cache):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.state: Any = None
         self.token_data: dict[str, torch.Tensor] = {}
-        self.n_pad = self.n_protect = self.seen = None
+        self.n_pad = self.n_protect = self.seen = self.n_prompt = None
         self.evictions = 0
         self.max_tokens = 0
         self._stored_after_step = 0
@@ -524,6 +525,7 @@ class EpiKVCache(Cache):
                              "padding: on a model with sliding-window layers run its prompts unpadded (one at a time)")
         self.n_pad = torch.tensor(n_pad, device=self.home)
         self.n_protect = torch.tensor(prot, device=self.home)
+        self.n_prompt = torch.tensor(prompt_lens, device=self.home)  # real tokens of the first prompt, per row
         self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
         self.state = self.policy.init_state(len(prompt_lens), self.n_layers, self.home)
         self._prefix = self._len_after_evict = max(p + q for p, q in zip(prot, n_pad))  # host ints for should_evict
@@ -674,6 +676,7 @@ class EpiKVCache(Cache):
             self._query_valid = qv[:, -self._n_queries:]
         obs = StepObservation(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos,
                               stored=self.token_data, n_protect=self.n_protect,
+                              in_prompt=valid & (pos < self.n_prompt[:, None]),
                               kv_heads=self.layers[self._ref].keys.shape[1],
                               keys=self._step_kv("keys", t), values=self._step_kv("values", t))
         n_old = self._stored_after_step
@@ -857,7 +860,8 @@ class EpiKVCache(Cache):
             self._phys = self._phys.index_select(0, idx.to(self._phys.device))
         if self._pad_slots is not None:
             self._pad_slots = self._pad_slots.index_select(0, idx.to(self._pad_slots.device))
-        self.n_pad, self.n_protect, self.seen = (x.index_select(0, idx) for x in (self.n_pad, self.n_protect, self.seen))
+        self.n_pad, self.n_protect, self.seen, self.n_prompt = (
+            x.index_select(0, idx) for x in (self.n_pad, self.n_protect, self.seen, self.n_prompt))
         self._queries = {l: q.index_select(0, idx.to(q.device)) for l, q in self._queries.items()}
         if self._query_valid is not None:
             self._query_valid = self._query_valid.index_select(0, idx)

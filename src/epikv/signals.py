@@ -14,6 +14,39 @@ from .errors import EpiKVError
 REFERENCE_DEPTH = 32
 
 
+class Depth(int):
+    """A model's count of decoder blocks that also carries its architecture signature (model_type, blocks, hidden
+    size), so a policy's layer defaults can follow the authors' published per-model layers while policies stay
+    model-free: the cache passes it wherever a policy takes `n_layers`. Arithmetic gives plain ints."""
+
+    arch: tuple | None
+
+    def __new__(cls, n_layers: int, arch: tuple | None = None) -> "Depth":
+        obj = super().__new__(cls, n_layers)
+        obj.arch = arch
+        return obj
+
+
+def model_depth(config, n_layers: int) -> Depth:
+    """The Depth of a model from its transformers config (its text config for multimodal wrappers)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    arch = (getattr(cfg, "model_type", None), n_layers, getattr(cfg, "hidden_size", None))
+    return Depth(n_layers, arch)
+
+
+# Layers A, B the authors published per model (their paper's Llama runs; every Qwen-7B grid script of their code,
+# commit 121e62c); keyed by (model_type, decoder blocks, hidden size). Elsewhere A, B are scaled by depth.
+PUBLISHED_PAIRS: dict[tuple, tuple[tuple[int, int], str]] = {
+    ("llama", 32, 4096): ((10, 21), "the paper's layers for DeepSeek-R1-Distill-Llama-8B"),
+    ("qwen2", 28, 3584): ((20, 24), "the authors' layers for DeepSeek-R1-Distill-Qwen-7B"),
+}
+
+
+def published_pair(n_layers: int) -> tuple[tuple[int, int], str] | None:
+    """The authors' (A, B) for this model and where they come from, or None (then scale by depth)."""
+    return PUBLISHED_PAIRS.get(getattr(n_layers, "arch", None))
+
+
 def scale_layer(layer: int, n_layers: int) -> int:
     """Map a layer index of the 32-block reference model to a model with `n_layers` blocks."""
     return min(n_layers - 1, max(0, round(layer * n_layers / REFERENCE_DEPTH)))

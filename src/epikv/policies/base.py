@@ -57,6 +57,7 @@ class StepObservation:
     # n_old + T entries to replace it (e.g. attention accumulated onto old tokens) instead of n_new to append
     stored: dict[str, torch.Tensor] = field(default_factory=dict)
     n_protect: torch.Tensor | None = None  # [batch] protected real tokens (the prompt when it is protected)
+    in_prompt: torch.Tensor | None = None  # [batch, T] bool: tokens of the first prompt (None: no prompt tokens)
     kv_heads: int = 0  # KV heads per layer (per-head token data is [batch, layers, kv_heads, n])
     # Observes.keys_values: per layer the stored keys / values [batch, kv_heads, n_old + T, head_dim], the T new
     # tokens last (views, do not modify): what a score computed at arrival reads. On a hybrid model only its
@@ -179,6 +180,22 @@ def _jsonable(v):
     if isinstance(v, tuple):
         return [_jsonable(x) for x in v]
     return v
+
+
+WINDOW_OVER = ("decode", "all")
+
+
+def check_window_over(policy: str, value: str) -> None:
+    if value not in WINDOW_OVER:
+        raise EpiKVError(f"{policy}: window_over must be one of {', '.join(WINDOW_OVER)}, got {value!r}")
+
+
+def window_tokens(obs: StepObservation, window_over: str) -> torch.Tensor:
+    """[batch, T] bool: the tokens of this step that enter a rolling window (all real ones, or only those after
+    the prompt)."""
+    if window_over == "all" or obs.in_prompt is None:
+        return obs.valid
+    return obs.valid & ~obs.in_prompt.to(obs.valid.device)
 
 
 def pool_query_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

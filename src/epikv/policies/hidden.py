@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..signals import HiddenDelta, RollingStats, check_layers, scale_band, scale_layer
-from .base import CacheView, Observes, Policy, StepObservation
+from ..signals import HiddenDelta, RollingStats, check_layers, published_pair, scale_band, scale_layer
+from .base import CacheView, Observes, Policy, StepObservation, check_window_over, window_tokens
 from .kv_var import check_stat, slot_statistic
 
 REF_A, REF_B = 10, 21  # the paper's layers for a 32-block model
@@ -32,10 +32,14 @@ class HiddenStatePolicy(Policy):
     eps: float = 1e-6
     reserve: int = 0  # value reserve N (0: off; the authors ran 8, 16, 32, 64)
     reserve_stat: str = "range"
+    # what the rolling window buffers: "decode" = tokens after the prompt only (the authors' code: the first decode
+    # token gets z = 0, prompt tokens score 0), "all" = the prompt's tokens too (epikv before issue 26)
+    window_over: str = "decode"
 
     def __post_init__(self):
         super().__post_init__()
         check_stat(self.name, "reserve_stat", self.reserve_stat)
+        check_window_over(self.name, self.window_over)
 
     def channels(self, n_layers: int) -> list[tuple[int, ...]]:
         """Groups of decoder blocks; each channel is the mean of g over its blocks."""
@@ -66,8 +70,9 @@ class HiddenStatePolicy(Policy):
         h = torch.stack([obs.hidden[l].to(dev) for l in state["used"]], dim=1)  # [batch, layers, T, dim]
         g_layers, g_valid = state["delta"].update(h, obs.valid)  # [batch, layers, T]
         g = torch.einsum("cl,blt->bct", state["_avg"], g_layers)  # [batch, channels, T]
-        score = self.combine(g, state["stats"], g_valid)
-        out = {"score": torch.where(obs.valid, score, torch.zeros_like(score))}
+        counted = window_tokens(obs, self.window_over)  # [batch, T]: what enters the rolling window
+        score = self.combine(g, state["stats"], g_valid & counted)
+        out = {"score": torch.where(obs.valid & counted, score, torch.zeros_like(score))}
         if self.reserve:  # the value statistic of the T new tokens, the last T slots of each layer
             t = obs.valid.shape[1]
             vstat = slot_statistic([v[:, :, -t:] for v in obs.values], self.reserve_stat, dev)  # [batch, T]
@@ -99,7 +104,22 @@ def reserve_priority(score: torch.Tensor, value_stat: torch.Tensor, view: CacheV
 
 
 def default_pair(n_layers: int) -> tuple[int, int]:
+    """(A, B): the authors' published layers for this model when they gave them, else 10, 21 of 32 scaled."""
+    pub = published_pair(n_layers)
+    if pub is not None:
+        return pub[0]
     return scale_layer(REF_A, n_layers), scale_layer(REF_B, n_layers)
+
+
+def layer_note(layers, n_layers: int) -> str:
+    """Says which blocks a policy's `layers` setting resolves to on this model and why (printed by the CLI)."""
+    if layers is not None:
+        return f"blocks {', '.join(map(str, layers))} (set)"
+    pub = published_pair(n_layers)
+    if pub is not None:
+        return f"blocks {pub[0][0]}, {pub[0][1]} ({pub[1]})"
+    a, b = default_pair(n_layers)
+    return f"blocks {a}, {b} (the paper's {REF_A}, {REF_B} of 32, scaled to {int(n_layers)} blocks)"
 
 
 def default_bands(n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import EpiKVError
 from ..signals import RollingStats
-from .base import CacheView, Observes, Policy, StepObservation
+from .base import CacheView, Observes, Policy, StepObservation, check_window_over, window_tokens
 
 SLOT_STATS = ("range", "var", "norm")
 
@@ -53,6 +53,7 @@ class KVKeyVariance(Policy):
     """
 
     window: int = 64
+    window_over: str = "decode"  # "decode": the window buffers decode tokens only (the authors' code); "all"
 
     name = "kv-key"
     paper = "arXiv:2606.26472 (authors' later code)"
@@ -62,6 +63,7 @@ class KVKeyVariance(Policy):
         super().__post_init__()
         if self.window < 1:
             raise EpiKVError(f"{self.name}: window must be at least 1, got {self.window}")
+        check_window_over(self.name, self.window_over)
 
     def observes(self, n_layers):
         return Observes(arriving_kv=True)  # the new tokens' keys / values only: the cache may refill its holes
@@ -73,8 +75,9 @@ class KVKeyVariance(Policy):
         t = obs.valid.shape[1]
         stored = obs.keys if self.source == "keys" else obs.values
         var = slot_statistic([x[:, :, -t:] for x in stored], "var", obs.valid.device)  # [batch, T]: the new tokens
-        mean, _, _ = state["stats"].update(var[:, None], obs.valid)  # [batch, 1, T]
-        return {"score": torch.where(obs.valid, mean[:, 0], torch.zeros_like(var))}
+        counted = window_tokens(obs, self.window_over)  # [batch, T]
+        mean, _, _ = state["stats"].update(var[:, None], counted)  # [batch, 1, T]
+        return {"score": torch.where(counted, mean[:, 0], torch.zeros_like(var))}
 
     def scores(self, state, view: CacheView) -> torch.Tensor:
         return view.token_data["score"]
