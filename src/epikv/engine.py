@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .cache import EpiKVCache, cache_kwarg
+from .cache import EpiKVCache, cache_kwarg, decoder_layers
 from .errors import EpiKVError
 from .policies import Policy, get_policy
 
@@ -157,6 +157,21 @@ class Sampler:
         if self.greedy:
             return scores.argmax(dim=-1)
         return draw(scores.softmax(-1), self.u[:, step].to(scores.device))
+
+
+def layer_choice(model, policy: Policy) -> str | None:
+    """Which decoder blocks a policy with a `layers` setting (the EPIKV family) reads on this model (hidden states
+    and recomputed queries, from its observes()), and why: set, the authors' published layers for this model, or the
+    paper's scaled by depth. None for other policies."""
+    if not hasattr(policy, "layers"):
+        return None
+    from .policies.hidden import layer_note
+    from .signals import model_depth
+
+    depth = model_depth(model.config, len(decoder_layers(model)))
+    obs = policy.observes(depth)
+    blocks = sorted(set(obs.hidden_layers) | set(obs.query_layers))
+    return layer_note(policy.layers, depth, blocks) if blocks else None
 
 
 @contextlib.contextmanager

@@ -243,7 +243,8 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g.add_argument("--n-sink", type=nonneg_int, default=None,
                    help="sink tokens protected without prompt protection (only with --no-protect-prompt)")
     g.add_argument("--layers", type=layer_list, default=None,
-                   help="EPIKV blocks A,B (default 10,21 of 32, scaled; epikv, epikv-raw, epikv-a)")
+                   help="EPIKV blocks A,B (default: the authors' layers for their models, Qwen2-7B 20,24 and "
+                        "Llama-8B 10,21; elsewhere 10,21 of 32 scaled by depth; the EPIKV family but epikv-band)")
     g.add_argument("--bands", type=band_list, default=None, help="band-adaptive bands, e.g. 7-13,18-25 (epikv-band)")
     g.add_argument("--bands-file", default=None,
                    help="a band file written by `epikv anatomy bands` (its layers: epikv, epikv-raw, epikv-a; "

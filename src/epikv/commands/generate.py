@@ -39,7 +39,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..engine import Sampling, generate
+    from ..engine import Sampling, generate, layer_choice
+    from ..policies import get_policy
 
     if args.prompt_file:
         prompt = read_text(args.prompt_file, "prompt file")
@@ -68,6 +69,9 @@ def run(args) -> int:
                              f"{info.evictions} evictions | {info.tokens_per_s:.1f} tok/s]\x1b8")
             sys.stderr.flush()
 
+    layers = layer_choice(lm.model, get_policy(args.policy, tau=args.tau, **settings))
+    if layers and live:
+        print(f"[{args.policy} reads {layers}]", file=sys.stderr)
     res = generate(lm.model, lm.tokenizer, prompt, policy=args.policy, budget=args.budget, tau=args.tau,
                    max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=chat,
                    system=args.system, prefill_chunk=args.prefill_chunk, on_step=on_step if live else None,
@@ -80,6 +84,8 @@ def run(args) -> int:
         "finish_reason": res.finish_reasons[0], "policy": st["policy"], "budget": st["budget"], "tau": st["tau"],
         "model": args.model,
     }
+    if layers:
+        summary["layers"] = layers
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:

@@ -111,15 +111,17 @@ def default_pair(n_layers: int) -> tuple[int, int]:
     return scale_layer(REF_A, n_layers), scale_layer(REF_B, n_layers)
 
 
-def layer_note(layers, n_layers: int) -> str:
-    """Says which blocks a policy's `layers` setting resolves to on this model and why (printed by the CLI)."""
+def layer_note(layers, n_layers: int, blocks) -> str:
+    """Says which blocks a policy reads on this model (`blocks`, from its observes()) and why its `layers` setting
+    resolves to them (printed by the CLI)."""
+    where = ", ".join(map(str, blocks))
     if layers is not None:
-        return f"blocks {', '.join(map(str, layers))} (set)"
+        return f"blocks {where} (set)"
     pub = published_pair(n_layers)
     if pub is not None:
-        return f"blocks {pub[0][0]}, {pub[0][1]} ({pub[1]})"
+        return f"blocks {where} (from {pub[1]}: {pub[0][0]}, {pub[0][1]})"
     a, b = default_pair(n_layers)
-    return f"blocks {a}, {b} (the paper's {REF_A}, {REF_B} of 32, scaled to {int(n_layers)} blocks)"
+    return f"blocks {where} (from the paper's {REF_A}, {REF_B} of 32, scaled to {a}, {b} for {int(n_layers)} blocks)"
 
 
 def default_bands(n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
