@@ -7,18 +7,26 @@
 # are read back from the journals, not measured again.
 # Estimates (not yet measured on a GPU): model init about 20 s per command; a decode step about 30-40 ms.
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]   (default benchmarks/results/bench/gpu)
+# The command is the repository's own venv entry point (.venv/bin/epikv), not whatever `epikv` is on PATH; set
+# EPIKV=/path/to/epikv to use another. Exit status: 0 only when every step finished; otherwise 1 and the failed,
+# timed-out or skipped steps are named on the last line (2 when the entry point itself is missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/bench/gpu}
-mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-EPIKV=${EPIKV:-epikv}
+EPIKV=${EPIKV:-$PWD/.venv/bin/epikv}
+if ! command -v "$EPIKV" > /dev/null; then
+  echo "gpu.sh: error: no epikv entry point at $EPIKV (run the set-up in README.md, or set EPIKV=/path/to/epikv)" >&2
+  exit 2
+fi
+mkdir -p "$OUT" || exit 2
 # MATH-500 prompts for the throughput step: $EPIKV_DATA_DIR, else ../shared/data or shared/data
 DATA=${EPIKV_DATA_DIR:-../shared/data}
 [ -f "$DATA/math500.jsonl" ] || DATA=shared/data
 DEADLINE=470  # seconds after the start of this script
 MODEL=(--model random:llama-8b --device cuda --dtype bfloat16 --attn sdpa)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2> /dev/null || true
+FAILED=()  # "name (why)" of each step that did not finish
 
 step() {  # step NAME SHARE_S COMMAND...: run with timeout min(SHARE_S, time left), log, never abort the script
   local name=$1 share=$2
@@ -27,12 +35,18 @@ step() {  # step NAME SHARE_S COMMAND...: run with timeout min(SHARE_S, time lef
   local limit=$((share < left ? share : left))
   if ((limit < 30)); then
     echo "$name: skipped, ${left} s left" | tee -a "$OUT/steps.txt"
+    FAILED+=("$name (skipped: ${left} s left)")
     return
   fi
   local t0=$SECONDS
   timeout "$limit" "$@" 2> >(tee "$OUT/$name.log" >&2)
   local rc=$?
   echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/steps.txt"
+  if ((rc == 124)); then
+    FAILED+=("$name (timed out after $limit s; rerun to resume)")
+  elif ((rc != 0)); then
+    FAILED+=("$name (exit $rc, see $OUT/$name.log)")
+  fi
 }
 
 # 1. Decode speed at K = 512 and 2048, tau 1 and 128 (attention-based policies switch to eager themselves), 2
@@ -58,4 +72,8 @@ step throughput 150 $EPIKV bench throughput "${MODEL[@]}" \
 step memory 120 $EPIKV bench memory "${MODEL[@]}" \
   --lengths 2048,4096,8192,16384,32768,65536 --out "$OUT/memory_llama8b.json"
 
+if ((${#FAILED[@]})); then
+  echo "gpu.sh: ${#FAILED[@]} of 3 steps failed after $SECONDS s: $(IFS=';'; echo "${FAILED[*]}" | sed 's/;/; /g')" >&2
+  exit 1
+fi
 echo "done in $SECONDS s: $OUT"

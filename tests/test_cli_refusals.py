@@ -163,3 +163,60 @@ def test_budget_with_full_warns_and_runs(capsys):
     assert capsys.readouterr().err == ""
     assert main([*GEN, "--policy", "epikv", "--budget", "64"]) == 0
     assert capsys.readouterr().err == ""
+
+
+# -- benchmarks/gpu.sh: a failed step fails the script ----------------------------------------------------------------
+def _gpu_sh(tmp_path, fake_body=None, env_epikv=None, path_epikv="exit 0"):
+    """Run a copy of benchmarks/gpu.sh in a scratch repository whose .venv/bin/epikv is a stub running fake_body
+    (None: no venv); an `epikv` running path_epikv is first on PATH. Returns (rc, stdout + stderr, calls file)."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(Path(__file__).parents[1] / "benchmarks" / "gpu.sh", repo / "benchmarks" / "gpu.sh")
+    calls = tmp_path / "calls.txt"
+
+    def stub(path, body):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f'#!/usr/bin/env bash\necho "$0 $*" >> {calls}\n{body}\n')
+        path.chmod(0o755)
+
+    if fake_body is not None:
+        stub(repo / ".venv" / "bin" / "epikv", fake_body)
+    stub(tmp_path / "path" / "epikv", path_epikv)
+    env = {k: v for k, v in os.environ.items() if k != "EPIKV"}
+    env["PATH"] = f"{tmp_path / 'path'}:{env['PATH']}"
+    if env_epikv is not None:
+        env["EPIKV"] = env_epikv
+    p = subprocess.run(["bash", str(repo / "benchmarks" / "gpu.sh"), str(tmp_path / "out")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stdout + p.stderr, calls.read_text() if calls.exists() else ""
+
+
+def test_gpu_sh_fails_when_every_step_fails(tmp_path):
+    rc, out, _ = _gpu_sh(tmp_path, fake_body="exit 0", env_epikv="false")
+    assert rc != 0 and "done" not in out, out
+    last = out.strip().splitlines()[-1]
+    assert "3 of 3 steps failed" in last and all(f"{s} (exit 1" in last for s in ("speed", "throughput", "memory"))
+
+
+def test_gpu_sh_names_the_one_failed_step(tmp_path):
+    rc, out, _ = _gpu_sh(tmp_path, fake_body='[[ " $* " == *" throughput "* ]] && exit 3; exit 0')
+    last = out.strip().splitlines()[-1]
+    assert rc == 1 and "1 of 3 steps failed" in last and "throughput (exit 3" in last, out
+    assert "speed (" not in last and "memory (" not in last
+
+
+def test_gpu_sh_uses_the_venv_entry_point_not_path(tmp_path):
+    rc, out, calls = _gpu_sh(tmp_path, fake_body="exit 0", path_epikv="exit 1")
+    assert rc == 0 and "done in" in out, out
+    assert calls.count("/.venv/bin/epikv bench") == 3 and "path/epikv" not in calls
+
+
+def test_gpu_sh_without_an_entry_point(tmp_path):
+    rc, out, calls = _gpu_sh(tmp_path, fake_body=None)  # no .venv: refuse before any step, not PATH's epikv
+    assert rc == 2 and "no epikv entry point at" in out and ".venv/bin/epikv" in out and "EPIKV=" in out, out
+    assert calls == ""
