@@ -220,3 +220,69 @@ def test_gpu_sh_without_an_entry_point(tmp_path):
     rc, out, calls = _gpu_sh(tmp_path, fake_body=None)  # no .venv: refuse before any step, not PATH's epikv
     assert rc == 2 and "no epikv entry point at" in out and ".venv/bin/epikv" in out and "EPIKV=" in out, out
     assert calls == ""
+
+
+# -- the model's trained context -------------------------------------------------------------------------------------
+@pytest.fixture
+def short_context(monkeypatch):
+    """random:tiny with a 64-position context (max_position_embeddings), so a run past it stays small."""
+    from epikv import models
+
+    monkeypatch.setitem(models.PRESETS, "tiny", dict(models.PRESETS["tiny"], max_position_embeddings=64))
+
+
+LONG = " ".join(["word"] * 80)  # > 64 tokens
+
+
+def test_budget_beyond_the_context_is_refused(capsys, short_context):
+    line = refused(capsys, *GEN, "--raw", "--budget", "100000")
+    assert "budget 100000 is larger than the model's 64-token context" in line and "--allow-beyond-context" in line
+    assert main([*GEN, "--raw", "--budget", "64"]) == 0  # at the context: runs, nothing to say
+    assert capsys.readouterr().err == ""
+    assert main([*GEN, "--raw", "--budget", "65", "--allow-beyond-context"]) == 0  # the override runs it
+    assert capsys.readouterr().err == ""  # 6 prompt + 2 new tokens never reach the context
+
+
+def test_prompt_beyond_the_context_warns_once(capsys, short_context):
+    argv = ["generate", *TINY, "--prompt", LONG, "--raw", "--max-new-tokens", "3", "--json"]
+    assert main([*argv, "--policy", "full"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("epikv generate: warning: the ") and "-token prompt is longer than " \
+        "the model's 64-token context" in err[0], err
+    assert main([*argv, "--no-protect-prompt", "--budget", "32"]) == 0  # evicting does not make the prompt fit
+    assert "prompt is longer than the model's 64-token context" in capsys.readouterr().err
+
+
+def test_cache_growing_past_the_context_warns(capsys, short_context):
+    argv = ["generate", *TINY, "--prompt", "Hello there, my friend", "--raw", "--json"]
+    assert main([*argv, "--policy", "full", "--max-new-tokens", "80"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "may run past the model's 64-token context" in err[0] and "full keeps every token" in \
+        err[0], err
+    assert main([*argv, "--policy", "full", "--max-new-tokens", "50"]) == 0  # 6 + 50 <= 64: nothing to say
+    assert capsys.readouterr().err == ""
+    assert main([*argv, "--budget", "32", "--max-new-tokens", "80"]) == 0  # a budget within the context bounds it
+    assert capsys.readouterr().err == ""
+
+
+def test_library_generate_checks_the_context(tiny, monkeypatch):
+    from epikv import generate
+    from epikv.engine import model_context
+    from epikv.errors import ContextWarning, EpiKVError
+
+    assert model_context(tiny.model) == 8192  # the preset's max_position_embeddings
+    monkeypatch.setattr(tiny.model.config, "max_position_embeddings", 64)
+    assert model_context(tiny.model) == 64
+    with pytest.raises(EpiKVError, match="budget 100 is larger than the model's 64-token context"):
+        generate(tiny.model, tiny.tokenizer, "Hello there", budget=100, max_new_tokens=2)
+    with pytest.warns(ContextWarning, match="may run past the model's 64-token context") as w:
+        generate(tiny.model, tiny.tokenizer, "Hello there", budget=100, max_new_tokens=80, allow_beyond_context=True)
+    assert w[0].message.kind == "cache"
+    with pytest.warns(ContextWarning, match="prompt is longer than the model's 64-token context") as w:
+        generate(tiny.model, tiny.tokenizer, LONG, policy="full", max_new_tokens=2)
+    assert w[0].message.kind == "prompt"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ContextWarning)
+        generate(tiny.model, tiny.tokenizer, "Hello there", budget=64, max_new_tokens=80)  # bounded: no warning

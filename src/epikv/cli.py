@@ -6,8 +6,9 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
-from .errors import EpiKVError
+from .errors import ContextWarning, EpiKVError
 
 # Subcommand modules, in the order `epikv --help` lists them.
 COMMANDS = ["generate", "policies", "trace", "eval", "report", "retention", "bench", "anatomy"]
@@ -29,6 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_context_warnings(command: str) -> None:
+    """Inside catch_warnings: each kind of ContextWarning once, as one line on stderr (not Python's two-line form)."""
+    seen: set[str] = set()
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, ContextWarning):
+            return show(message, category, filename, lineno, file, line)
+        kind = getattr(message, "kind", str(message))
+        if kind not in seen:
+            seen.add(kind)
+            print(f"epikv {command}: warning: {message}", file=sys.stderr)
+
+    warnings.simplefilter("always", ContextWarning)
+    warnings.showwarning = showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -39,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        with warnings.catch_warnings():
+            _one_line_context_warnings(args.command)
+            return int(args.run(args) or 0)
     except EpiKVError as e:
         print(f"epikv {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -10,13 +10,14 @@ import contextlib
 import hashlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 from .cache import EpiKVCache, cache_kwarg, decoder_layers
-from .errors import EpiKVError
+from .errors import ContextWarning, EpiKVError
 from .policies import Policy, get_policy
 
 
@@ -265,6 +266,46 @@ class StepInfo:
     tokens_per_s: float
 
 
+def model_context(model) -> int | None:
+    """The number of positions the model was trained for: its (text) config's max_position_embeddings (or
+    n_positions / max_sequence_length / seq_length); None when the config names none."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(text, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_context(model, policy: Policy, budget: int | None, prompt_tokens: int, max_new_tokens: int,
+                  allow_beyond_context: bool = False) -> None:
+    """Positions past the trained context give output the model was never trained to produce, so:
+    a budget larger than the context (for a policy that evicts) is refused unless allow_beyond_context; a prompt
+    longer than the context, or prompt + max_new_tokens past it while the cache can hold that many tokens (a policy
+    that never evicts, or an allowed budget above the context), is a ContextWarning. A cache kept within a budget <=
+    the context still counts positions up past it on a long generation (true positions): that is the method's
+    setting and is not warned about."""
+    ctx = model_context(model)
+    if ctx is None:
+        return
+    if policy.evicts and budget is not None and budget > ctx and not allow_beyond_context:
+        raise EpiKVError(f"budget {budget} is larger than the model's {ctx}-token context (max_position_embeddings): "
+                         f"use a budget <= {ctx}, or allow_beyond_context=True (--allow-beyond-context) to run it")
+    if prompt_tokens > ctx:
+        warnings.warn(ContextWarning(f"the {prompt_tokens}-token prompt is longer than the model's {ctx}-token "
+                                     "context: positions past it were never trained, expect degraded output",
+                                     "prompt"), stacklevel=3)
+        return
+    reach = prompt_tokens + max_new_tokens
+    cap = min(budget, reach) if policy.evicts and budget is not None else reach
+    if cap > ctx:
+        held = f"budget {budget}" if policy.evicts else f"{policy.name} keeps every token"
+        warnings.warn(ContextWarning(f"prompt + max new tokens ({prompt_tokens} + {max_new_tokens}) may run past the "
+                                     f"model's {ctx}-token context and the cache can hold them ({held}): output past "
+                                     f"{ctx} tokens is not what the model was trained for", "cache"), stacklevel=3)
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool = False,
                    system: str | None = None) -> list[list[int]]:
     out = []
@@ -307,12 +348,15 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
              max_new_tokens: int = 256, sampling: Sampling | None = None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, prefill_chunk: int | None = None,
              eos_token_ids: Sequence[int] | None = None, on_step: Callable[[StepInfo], None] | None = None,
-             seeds: Sequence[int] | None = None, generation_config=None, **policy_settings) -> GenerationResult:
+             seeds: Sequence[int] | None = None, generation_config=None, allow_beyond_context: bool = False,
+             **policy_settings) -> GenerationResult:
     """Generate for one prompt or a batch (left-padded; each sequence keeps its own tokens).
 
     seeds: one sampling seed per prompt (default: Sampling.seed + row index). generation_config: a transformers
     GenerationConfig instead of `sampling`; where it sets max_new_tokens (or max_length), eos_token_id or
-    stop_strings, those win over the arguments. Statistics describe exactly the tokens returned."""
+    stop_strings, those win over the arguments. Statistics describe exactly the tokens returned.
+    The model's trained context (max_position_embeddings): a budget above it is refused unless
+    allow_beyond_context; a prompt longer than it, or a cache that may grow past it, warns (ContextWarning)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     batch = None
@@ -347,6 +391,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
     ids, n_pad = left_pad(batch, pad_id)
     eos = list(eos_token_ids) if eos_token_ids is not None else eos_ids(model, tokenizer)
     pol = get_policy(policy, tau=tau, **policy_settings)
+    check_context(model, pol, budget, max(len(x) for x in batch), max_new_tokens, allow_beyond_context)
     with torch.inference_mode(), attention_for(model, pol):
         dec = Decoder(model, pol, budget)
         dev = dec.device

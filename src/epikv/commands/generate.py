@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, help="prefill in chunks of this many tokens")
     p.add_argument("--json", action="store_true", help="print only one JSON object")
+    p.add_argument("--allow-beyond-context", action="store_true",
+                   help="run a --budget larger than the model's trained context (refused otherwise)")
     add_model_args(p)
     add_policy_args(p)
     p.set_defaults(run=run)
@@ -75,7 +77,7 @@ def run(args) -> int:
     res = generate(lm.model, lm.tokenizer, prompt, policy=args.policy, budget=args.budget, tau=args.tau,
                    max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=chat,
                    system=args.system, prefill_chunk=args.prefill_chunk, on_step=on_step if live else None,
-                   **settings)
+                   allow_beyond_context=args.allow_beyond_context, **settings)
     st = res.stats
     summary = {
         "text": res.texts[0], "prompt_tokens": st["prompt_tokens"][0], "new_tokens": st["new_tokens"][0],
