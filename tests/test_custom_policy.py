@@ -206,3 +206,36 @@ def test_readme_example_runs(tiny, registry):
     env = {"lm": tiny, "generate": generate}
     exec(compile(code, "README.md", "exec"), env)
     assert REGISTRY["loud"] is env["Loud"] and env["res"].stats["evictions"] > 0
+
+
+@pytest.mark.parametrize("kind", ["missing file", "import error", "syntax error", "missing module"])
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "random:tiny", "--prompt", PROMPT, "--policy", "test-mine", "--max-new-tokens", "2"],
+    ["generate", "--model", "random:tiny", "--prompt", PROMPT, "--max-new-tokens", "2", "--set", "test-mine.w=1"],
+    ["bench", "speed", "--model", "random:tiny", "--policies", "test-mine", "--out", "OUT"],
+    ["policies"],
+], ids=["generate", "set", "bench", "policies"])
+def test_plugin_that_fails_to_load_says_so(tmp_path, monkeypatch, capsys, registry, kind, argv):
+    """EPIKV_POLICIES naming a plugin that cannot load: one line naming the plugin and its error, exit 2, never
+    'unknown policy' (which would send the user looking for a typo in the name)."""
+    from epikv.cli import main
+
+    src = {"import error": "import epikv_no_such_module_xyz\n", "syntax error": "def broken(:\n"}.get(kind)
+    entry = str(tmp_path / "mine.py") if kind != "missing module" else "epikv_no_such_plugin_xyz"
+    if src:
+        (tmp_path / "mine.py").write_text(src)
+    monkeypatch.setenv("EPIKV_POLICIES", entry)
+    try:
+        rc = main([tmp_path.joinpath("o.json").as_posix() if a == "OUT" else a for a in argv])
+    except SystemExit as e:  # argparse (--set)
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"could not load policy plugin (EPIKV_POLICIES entry '{entry}')" in lines[0] and "unknown policy" not in err
+    why = {"missing file": "FileNotFoundError: no such file", "import error": "No module named "
+           "'epikv_no_such_module_xyz'", "syntax error": "SyntaxError", "missing module": "No module named "
+           "'epikv_no_such_plugin_xyz'"}[kind]
+    assert why in lines[0], lines[0]
+    if argv[0] != "policies":
+        assert "so policy 'test-mine' is not registered" in lines[0]

@@ -19,7 +19,7 @@ import torch
 from ..engine import Decoder, attention_for
 from ..errors import EpiKVError
 from ..measure import kv_bytes_per_token
-from ..policies import REGISTRY, Policy, get_policy
+from ..policies import REGISTRY, Policy, get_policy, policy_class
 
 EPIKV = "epikv"
 FULL = "full"
@@ -48,8 +48,7 @@ def build_configs(policies: list[str], taus: list[int], settings: Callable[[str]
         raise EpiKVError("no policies to benchmark")
     out = []
     for name in dict.fromkeys(policies):
-        if name not in REGISTRY:
-            raise EpiKVError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
+        policy_class(name)  # unknown, or a plugin that failed to load: one line
         if not REGISTRY[name].evicts:
             out.append(SpeedConfig(name, name, None, settings(name)))
             continue

@@ -144,15 +144,16 @@ def policy_setting(text: str) -> tuple[str, str, object]:
     (lists become tuples) and checked against the type of the field's default."""
     import dataclasses
 
-    from ..policies import REGISTRY
+    from ..policies import policy_class
 
     head, eq, raw = text.partition("=")
     name, dot, key = head.strip().rpartition(".")
     if not (eq and dot and name and key):
         raise argparse.ArgumentTypeError(f"expected POLICY.SETTING=VALUE, got {text!r}")
-    cls = REGISTRY.get(name)
-    if cls is None:
-        raise argparse.ArgumentTypeError(f"unknown policy {name!r} in {text!r}")
+    try:
+        cls = policy_class(name)
+    except EpiKVError as e:
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "tau"}  # tau is --tau, shared by all
     if key == "tau":
         raise argparse.ArgumentTypeError("the eviction interval is --tau, not --set")
@@ -255,11 +256,9 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
 
 def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
     """Settings from the command line that apply to `policy_name` (unset ones are left to the policy)."""
-    from ..policies import REGISTRY
+    from ..policies import policy_class
 
-    cls = REGISTRY.get(policy_name)
-    if cls is None:
-        raise EpiKVError(f"unknown policy {policy_name!r}; known: {', '.join(REGISTRY)}")
+    cls = policy_class(policy_name)
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(cls)}

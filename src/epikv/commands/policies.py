@@ -12,8 +12,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..policies import REGISTRY
+    from ..policies import REGISTRY, load_policy_plugins
 
+    load_policy_plugins()  # a plugin named in EPIKV_POLICIES that fails to load is an error, not a shorter list
     rows = [cls().describe() for cls in REGISTRY.values()]
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -48,6 +48,22 @@ def policy_names() -> list[str]:
     return list(REGISTRY)
 
 
+def policy_class(name: str) -> type[Policy]:
+    """The registered class of a policy name, users' plugins loaded first when the name is not built in. A name
+    found nowhere is "unknown policy"; if a plugin failed to load, that failure is the message (the policy may be
+    the one it would have registered)."""
+    cls = REGISTRY.get(name)
+    if cls is None:
+        try:
+            load_policy_plugins()
+        except EpiKVError as e:
+            raise EpiKVError(f"{e} (so policy {name!r} is not registered)") from None
+        cls = REGISTRY.get(name)
+    if cls is None:
+        raise EpiKVError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
+    return cls
+
+
 def get_policy(name: str | Policy, **settings) -> Policy:
     """A policy instance by name, with settings overriding its defaults (None values are ignored).
 
@@ -69,12 +85,7 @@ def get_policy(name: str | Policy, **settings) -> Policy:
                              "keeps its own settings; set them on it (dataclasses.replace(policy, ...)) or pass "
                              "the policy by name")
         return name
-    cls = REGISTRY.get(name)
-    if cls is None:
-        load_policy_plugins()  # a user's policy registered by a plugin module (raises if one fails to import)
-        cls = REGISTRY.get(name)
-    if cls is None:
-        raise EpiKVError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
+    cls = policy_class(name)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(k for k in given if k not in fields)
     if unknown:
@@ -169,5 +180,5 @@ def load_policy_plugins() -> None:
         _loaded_plugins.add(label)
 
 
-__all__ = ["REGISTRY", "CacheView", "Observes", "Policy", "StepObservation", "get_policy",
+__all__ = ["REGISTRY", "CacheView", "Observes", "Policy", "StepObservation", "get_policy", "policy_class",
            "load_policy_plugins", "policy_names", "register_policy", "select_keep"]
