@@ -503,3 +503,37 @@ def test_policy_variants_parse_and_refuse_like_set(tmp_path, capsys):
     # commands without variant rows say what to use instead
     assert "use --set epikv.reserve=16" in refused("eval", "--model", "random:tiny", "--policies", "epikv[reserve=16]",
                                                    "--dataset", "gsm8k", "--out", str(tmp_path / "e"))
+
+
+@pytest.mark.parametrize("rows,why", [
+    ([dict(GOOD, id="a", trace="<think>\nnever closing"), dict(GOOD, id="b", trace="no tags at all")],
+     "2 no </think> in the trace"),
+    ([{"id": "a", "problem": "Q"}, {"id": "b", "trace": GOOD["trace"]}], "2 missing trace or problem text"),
+    ([dict(GOOD, id="a", trace="<think>\nx\n</think>\n "), dict(GOOD, id="b", trace="only thinking")],
+     "1 empty answer after </think>, 1 no </think> in the trace"),
+])
+def test_nothing_to_score_is_exit_2_and_leaves_no_folder(tmp_path, capsys, rows, why):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o"
+    assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv",
+                 "--budgets", "64", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "none of the 2 traces can be scored" in lines[0] and why in lines[0], captured.err
+    assert not out.exists() and "records written" not in captured.out
+
+
+def test_every_run_impossible_is_exit_2_and_leaves_no_folder(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    out = tmp_path / "o"
+    kept = tmp_path / "kept"
+    kept.mkdir()  # a folder the user made stays, even when nothing went into it
+    for folder in (out, kept):
+        assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "epikv",
+                     "--budgets", "4", "--out", str(folder)]) == 2  # K = 4 is below the protected prompt
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "nothing could be scored: all 1 runs were not possible (first: synthetic/good epikv K=4: budget 4 " \
+               "is smaller than what is protected" in err[-1], err
+    assert not out.exists() and kept.is_dir()

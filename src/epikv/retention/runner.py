@@ -23,7 +23,7 @@ from ..policies import get_policy
 from .bootstrap import policy_label
 from .metrics import Accumulator, Reference
 from ..measure import RunPeak
-from ..store import Store
+from ..store import CLAIMS, LOCK, Store
 
 THINK_END = "</think>"
 KIND = "retention"
@@ -351,13 +351,21 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
         raise EpiKVError(f"batch_traces must be a positive integer, got {batch_traces!r}")
     for spec in policies:
         get_policy(_name(spec), tau=tau, **settings_for(spec))  # unknown names and bad settings fail before any work
+    items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
+    if not items:  # before the results folder exists: nothing to leave behind
+        why = {}
+        for _, w in skipped:
+            why[w] = why.get(w, 0) + 1
+        raise EpiKVError(f"none of the {len(rows)} traces can be scored (" + ", ".join(
+            f"{n} {w}" for w, n in why.items()) + "): each needs id, problem and trace text with an answer after "
+            f"{THINK_END}")
     out_dir = Path(out_dir)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_config(out_dir, {"model": model_name, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
                             "max_answer_tokens": max_answer_tokens, "system": system})
     store = Store(out_dir, "results.jsonl", lambda r: record_key(r) if r.get("kind") == KIND else None)
     results = store.path
-    items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
     runs = {}  # (name, budget, settings as JSON) -> (name, budget, settings): `full` once, whatever the budgets
     for spec in policies:
         name, s = _name(spec), settings_for(spec)
@@ -451,4 +459,26 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     finally:
         progress.close()
     summary["results"] = str(results)
+    if summary["failed"] and not (summary["written"] or summary["already_done"] or summary["claimed_elsewhere"]):
+        if created:
+            _remove_if_empty(out_dir)
+        tid, name, b, e = summary["failed"][0]
+        raise EpiKVError(f"nothing could be scored: all {len(summary['failed'])} runs were not possible (first: "
+                         f"{tid} {name} K={b}: {e})")
     return summary
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove a results folder this run created if it holds nothing but its own bookkeeping (config, lock, empty
+    results and claims); anything else (another process's records) stays."""
+    import shutil
+
+    mine = {"config.json", LOCK, CLAIMS, "results.jsonl"}
+    entries = list(folder.iterdir())
+    if any(p.name not in mine for p in entries):
+        return
+    if (folder / "results.jsonl").exists() and (folder / "results.jsonl").stat().st_size:
+        return
+    if (folder / CLAIMS).is_dir() and any((folder / CLAIMS).iterdir()):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
