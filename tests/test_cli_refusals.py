@@ -286,3 +286,92 @@ def test_library_generate_checks_the_context(tiny, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ContextWarning)
         generate(tiny.model, tiny.tokenizer, "Hello there", budget=64, max_new_tokens=80)  # bounded: no warning
+
+
+# -- output locations that cannot be written: refused before any work -------------------------------------------------
+@pytest.fixture(params=["EACCES", "EROFS"])
+def unwritable(request, tmp_path, monkeypatch):
+    """tmp_path/ro behaves as a folder this process cannot write in (permission denied, or a read-only file system):
+    tests run as root, which chmod does not stop, so file creation under it fails the way the kernel would say."""
+    import errno
+    import os
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    code = getattr(errno, request.param)
+    real = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **kw):
+        if dir is not None and str(dir).startswith(str(ro)):
+            raise OSError(code, os.strerror(code), str(dir))
+        return real(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+    def no_work(*a, **kw):  # the refusal must come before any work (the model is the first of it)
+        raise AssertionError("a model was loaded before the output location was checked")
+
+    from epikv import models
+
+    monkeypatch.setattr(models, "load_model", no_work)
+    return ro, os.strerror(code)
+
+
+# (command line, output option, where under the unwritable folder)
+WRITE_CASES = [
+    (["eval", "--dataset", "gsm8k", *TINY], "--out", ""),
+    (["eval", "--dataset", "gsm8k", *TINY], "--out", "new/sub"),
+    (["retention", *TINY], "--out", "results"),
+    (["report", "x"], "--out", "rep"),
+    (["trace", *TINY, "--prompt", "Q", "--completion", " a b"], "--png", "missing/t.png"),
+    (["trace", *TINY, "--prompt", "Q", "--completion", " a b"], "--html", "t.html"),
+    (["bench", "speed", *TINY], "--out", "s.json"),
+    (["bench", "memory", *TINY], "--out", "deeper/m.json"),
+    (["bench", "throughput", *TINY], "--out", "t.json"),
+    (["anatomy", "label", "--traces", "t.jsonl"], "--out", "lab"),
+    (["anatomy", "bands", "--profile", "x"], "--out", "b.json"),
+]
+
+
+@pytest.mark.parametrize("argv,opt,sub", WRITE_CASES, ids=[f"{' '.join(a[:2])}{o}-{s or '.'}" for a, o, s in WRITE_CASES])
+def test_unwritable_output_is_refused_first(capsys, unwritable, argv, opt, sub):
+    ro, why = unwritable
+    target = ro / sub if sub else ro
+    line = refused(capsys, *argv, opt, str(target))
+    assert line.endswith(f"argument {opt}: cannot write in {ro}: {why}"), line
+    assert list(ro.iterdir()) == []  # nothing made on the way (the missing folders neither)
+
+
+def test_report_into_an_unwritable_first_folder(capsys, unwritable):
+    ro, why = unwritable
+    (ro / "results.jsonl").write_text("")  # a retention folder: the report goes into it by default
+    line = refused(capsys, "report", str(ro))
+    assert line == f"epikv report: error: report (no --out: into {ro}): cannot write in {ro}: {why}"
+
+
+def test_existing_output_file_that_cannot_be_opened(capsys, tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    out = tmp_path / "s.json"
+    out.write_text("{}")
+    real = builtins.open
+
+    def fake_open(file, mode="r", *a, **kw):
+        if str(file) == str(out) and "a" in mode:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real(file, mode, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    line = refused(capsys, "bench", "speed", *TINY, "--out", str(out))
+    assert line.endswith(f"argument --out: cannot write in {out}: Permission denied"), line
+    assert out.read_text() == "{}"
+
+
+def test_trace_makes_missing_output_folders(capsys, tmp_path):
+    html, png = tmp_path / "a" / "b" / "t.html", tmp_path / "c" / "t.png"
+    assert main(["trace", *TINY, "--prompt", "Q", "--completion", " a b c d", "--html", str(html),
+                 "--png", str(png)]) == 0, capsys.readouterr().err
+    assert html.stat().st_size > 0 and png.stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.rglob(".epikv-write-check-*")) == []  # the probes leave nothing

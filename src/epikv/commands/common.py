@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..errors import EpiKVError
@@ -48,23 +50,43 @@ def _first_existing(p: Path) -> Path:
     return p
 
 
+def check_writable(folder: Path, file: Path | None = None) -> None:
+    """Refuse, before any work, an output location this process cannot write: a temporary file is made and removed
+    in `folder` or, when it does not exist yet, in its nearest existing parent (where it would be created); an
+    existing `file` is opened for appending (nothing written). Raises ArgumentTypeError "cannot write in DIR: why"."""
+    base = _first_existing(folder)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".epikv-write-check-", dir=base)
+        os.close(fd)
+        os.unlink(name)
+        if file is not None and file.exists():
+            open(file, "ab").close()
+    except OSError as e:
+        where = file if file is not None and file.exists() and base == file.parent else base
+        raise argparse.ArgumentTypeError(f"cannot write in {where}: {e.strerror or e}") from None
+
+
 def out_dir(text: str) -> str:
-    """An argparse type for an output folder: refused when it (or a folder above it) exists as a file."""
+    """An argparse type for an output folder: refused when it (or a folder above it) exists as a file, or when it
+    (or the folder it would be created in) is not writable."""
     p = Path(text)
     if p.exists() and not p.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
     if not _first_existing(p).is_dir():
         raise argparse.ArgumentTypeError(f"{text}: {_first_existing(p)} is a file, not a folder")
+    check_writable(p)
     return text
 
 
 def out_file(text: str) -> str:
-    """An argparse type for an output file: refused when it is a folder or a folder above it is a file."""
+    """An argparse type for an output file: refused when it is a folder, a folder above it is a file, or it (or the
+    folder it would be written in) is not writable. Missing folders above it are created by the writer."""
     p = Path(text)
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file to write")
     if not _first_existing(p.parent).is_dir():
         raise argparse.ArgumentTypeError(f"{text}: {_first_existing(p.parent)} is a file, not a folder")
+    check_writable(p.parent, p)
     return text
 
 

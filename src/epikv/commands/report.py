@@ -33,6 +33,16 @@ def run(args) -> int:
     # a retention run keeps its records in results.jsonl with "kind": "retention"
     retention = [d for d in args.dirs if (Path(d) / "results.jsonl").exists()]
     evals = [d for d in args.dirs if d not in retention]
+    if args.out is None:  # the report goes into the first directory of each kind: it must be writable
+        import argparse
+
+        from .common import check_writable
+
+        for d in dict.fromkeys(x[0] for x in (retention, evals) if x):
+            try:
+                check_writable(Path(d))
+            except argparse.ArgumentTypeError as e:
+                raise EpiKVError(f"report (no --out: into {d}): {e}") from None
     if retention:
         records = [r for d in retention for r in read_records(Path(d) / "results.jsonl")]
         for path in render_retention(records, args.out or retention[0], reference=tuple(x for x in args.reference.split(",") if x)):

@@ -51,6 +51,9 @@ def run(args) -> int:
     c_ids = tok(completion, add_special_tokens=False)["input_ids"]
     tr = trace_scores(lm.model, tok, p_ids, c_ids, policy=args.policy, budget=args.budget, tau=args.tau or 1,
                       **settings)
+    for out in (args.html, args.png):  # missing folders above an output are made (checked writable at parse)
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
     if args.html:
         Path(args.html).write_text(render_html(tr), encoding="utf-8")
     if args.png:
