@@ -138,7 +138,11 @@ def _dataset(path, n=5):
     return path
 
 
-def test_eval_samples_do_not_depend_on_batch_size_or_shard(tmp_path):
+def test_eval_samples_do_not_depend_on_batch_size_or_shard(tmp_path, capsys):
+    """A sampled eval decodes each sequence alone, whatever --batch-size: its sample depends on (seed, problem,
+    sample) only, so batch size, shard and executor cannot change it on any machine. (Equal texts from batched rows
+    would hold on one CPU only: a padded batch's shapes change every row's rounding, and a sampled token near a CDF
+    boundary with it, as seen from the 7th token on another machine.)"""
     from epikv.eval.records import read_records
 
     data = _dataset(tmp_path / "mini.jsonl", n=4)  # batches of 3 and 1
@@ -150,6 +154,10 @@ def test_eval_samples_do_not_depend_on_batch_size_or_shard(tmp_path):
         assert main(base + ["--out", str(tmp_path / name)] + extra) == 0
         outs[name] = {(r["id"], r["policy"], r["budget"], r["sample"]): (r["output"], r["seed"])
                       for r in read_records(tmp_path / name)}
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["epikv eval: warning: protocol r1 samples: each sequence is decoded alone, so its sample does not "
+                   "depend on its batch (--batch-size applies to greedy protocols; --batch-sampled batches them)"]
+    assert {r["batch_size"] for r in read_records(tmp_path / "b3")} == {1}  # the guarantee itself, on any machine
     for i in range(2):
         assert main(base + ["--out", str(tmp_path / "sh"), "--batch-size", "3", "--shard", f"{i}/2"]) == 0
     outs["sh"] = {(r["id"], r["policy"], r["budget"], r["sample"]): (r["output"], r["seed"])
@@ -160,6 +168,14 @@ def test_eval_samples_do_not_depend_on_batch_size_or_shard(tmp_path):
     seeds = {v[1] for v in outs["b1"].values()}
     assert len(seeds) == 4 * 2  # one seed per (problem, sample), shared by the policies
     assert outs["b1"][("p0", "full", None, 0)][1] == sequence_seed(0, "p0", 0)
+    # --batch-sampled: batched as asked (speed over bitwise reproducibility); refused where it means nothing
+    assert main(base + ["--out", str(tmp_path / "bs"), "--batch-size", "3", "--batch-sampled"]) == 0
+    assert {r["batch_size"] for r in read_records(tmp_path / "bs")} == {3, 1}
+    capsys.readouterr()
+    for extra in (["--batch-sampled"], ["--batch-size", "3", "--batch-sampled", "--protocol", "paper", "--samples", "1"]):
+        assert main(base + ["--out", str(tmp_path / "x")] + extra) == 2
+        assert "--batch-sampled only applies to a sampled protocol (r1) with --batch-size > 1" in \
+            capsys.readouterr().err
 
 
 def test_sequence_seed_is_stable():

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, nonneg_int, out_dir, positive_int, settings_by_policy
+from .common import add_model_args, add_policy_args, load, nonneg_int, out_dir, positive_int, settings_by_policy, warn
 
 
 def shard_arg(text: str) -> tuple[int, int]:
@@ -38,7 +38,11 @@ def register(sub) -> None:
                    help="token cap (default: the protocol's, e.g. 8192 MATH-500 / 16384 AIME for paper)")
     p.add_argument("--seed", type=nonneg_int, default=0,
                    help="base sampling seed (each problem and sample: a stable hash of seed, id and sample)")
-    p.add_argument("--batch-size", type=positive_int, default=1, help="problems decoded together (left padding)")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="problems decoded together (left padding); a sampled protocol decodes each alone unless "
+                        "--batch-sampled")
+    p.add_argument("--batch-sampled", action="store_true",
+                   help="batch sampled sequences too (faster on a GPU; a sample may then change with its batch mates)")
     p.add_argument("--out", required=True, type=out_dir, help="output directory (config.json + records*.jsonl)")
     p.add_argument("--shard", type=shard_arg, default=None, help="run only shard i of n (0-based), e.g. 0/4")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
@@ -120,6 +124,14 @@ def run(args) -> int:
     protocol = get_protocol(args.protocol)
     if args.samples > 1 and protocol.temperature == 0:
         raise EpiKVError("--samples > 1 needs sampling: greedy samples are identical (use --protocol r1)")
+    batch_size = args.batch_size
+    if args.batch_sampled and (protocol.temperature == 0 or args.batch_size == 1):
+        raise EpiKVError("--batch-sampled only applies to a sampled protocol (r1) with --batch-size > 1")
+    if protocol.temperature > 0 and batch_size > 1 and not args.batch_sampled:
+        # a padded batch's shapes change the rounding of every row, and a sampled token near a CDF boundary with it
+        warn(args, f"protocol {protocol.name} samples: each sequence is decoded alone, so its sample does not "
+                   "depend on its batch (--batch-size applies to greedy protocols; --batch-sampled batches them)")
+        batch_size = 1
     settings = settings_by_policy(args, args.policies)
     ds = load_dataset(args.dataset, data_dir=args.data_dir)
     canonical = canonical_dataset(args.dataset if args.dataset in DATASETS else ds.name)
@@ -149,7 +161,7 @@ def run(args) -> int:
                         **({"set": sorted(f"{n}.{k}={json.dumps(v)}" for n, k, v in args.set)} if args.set else {})},
     }
     out = Path(args.out)
-    plan = prepare(out, ds, spec, args.policies, args.budgets, args.samples, args.batch_size, args.shard,
+    plan = prepare(out, ds, spec, args.policies, args.budgets, args.samples, batch_size, args.shard,
                    lm.tokenizer, config, normaliser(args.policies, dtype))
     name = f"records-{args.shard[0]}of{args.shard[1]}.jsonl" if args.shard else "records.jsonl"
     if not plan.batches:
