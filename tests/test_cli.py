@@ -237,3 +237,24 @@ def test_generate_applies_the_chat_template_by_default(capsys, monkeypatch, smol
     assert seen[-1] == tok(prompt, add_special_tokens=True)["input_ids"] != templated
     code, out, _ = run_cli(capsys, *base, "--system", "Answer in French.")
     assert code == 0 and seen[-1] == list(encode(tok, [prompt], chat=True, system="Answer in French.")[0])
+
+
+def test_trace_shows_cjk_and_emoji_split_into_byte_tokens(tiny, tmp_path, capsys):
+    """SmolLM2's byte-level tokenizer (random:tiny uses it) splits 学, 答, 案 and ✅ into tokens holding incomplete
+    UTF-8 sequences; the trace decodes them as groups, so the HTML shows the characters, never U+FFFD."""
+    from epikv.trace import token_texts
+
+    tok = tiny.tokenizer
+    text = " 数学 🙂 答案是 ✅ ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert sum("\ufffd" in tok.decode([i]) for i in ids) >= 6  # the split this test is about
+    parts = token_texts(tok, ids)
+    assert len(parts) == len(ids) and "".join(parts) == tok.decode(ids) and not any("\ufffd" in p for p in parts)
+    assert "学" in parts and " 答" in parts and " ✅" in parts  # each character whole, on its first byte's token
+    assert token_texts(tok, ids[:-1]) == parts[:-1]  # " ok" dropped
+    cut = ids[:-2]  # ✅ cut short: it never completes, so its tokens keep their own decodings
+    assert token_texts(tok, cut) == parts[:-4] + [tok.decode([i]) for i in cut[-2:]]
+    out = tmp_path / "t.html"
+    assert main(["trace", "--model", "random:tiny", "--prompt", "Q:", "--completion", text, "--html", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert "\ufffd" not in page and all(c in page for c in "数学🙂答案是✅")

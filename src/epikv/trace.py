@@ -59,9 +59,29 @@ def trace_scores(model, tokenizer, prompt_ids: list[int], completion_ids: list[i
     scores = torch.cat(arrived).tolist()
     if len(scores) != n:  # every token is scored exactly once, on arrival
         raise RuntimeError(f"trace recorded {len(scores)} scores for {n} tokens")
-    tokens = [tokenizer.decode([t]) for t in prompt_ids + completion_ids]
+    tokens = token_texts(tokenizer, prompt_ids + completion_ids)
     return TokenTrace(tokens=tokens, scores=scores, evicted=[i not in kept for i in range(n)],
                       is_prompt=[i < p for i in range(n)], policy=pol.name, budget=budget)
+
+
+def token_texts(tokenizer, ids: list[int], max_group: int = 8) -> list[str]:
+    """The text of each token. A byte-level tokenizer splits a CJK character or an emoji into tokens that each hold
+    an incomplete UTF-8 sequence (decoded alone: U+FFFD); such a token is decoded together with the next ones until
+    the group decodes cleanly, the group's text going to its first token and "" to the rest. A sequence that never
+    completes within max_group tokens keeps the tokens' own decodings."""
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        text, j = tokenizer.decode([ids[i]]), i + 1
+        while "\ufffd" in text and j < len(ids) and j - i < max_group:
+            j += 1
+            text = tokenizer.decode(ids[i:j])
+        if "\ufffd" in text and j > i + 1:  # never completed: not a split character
+            text, j = tokenizer.decode([ids[i]]), i + 1
+        out.append(text)
+        out.extend([""] * (j - i - 1))
+        i = j
+    return out
 
 
 def _colour(score: float, scale: float) -> tuple[int, int, int]:
