@@ -550,3 +550,20 @@ def test_batch_traces_speed_is_stated_alike_in_help_and_readme(capsys):
     assert "1.7xthetokensperCPU-secondatN=4ontheembeddedmodel(measured1.69x;" in text
     assert "1.7xthetokensperCPU-secondontheembeddedmodel(measured1.69x," in readme
     assert "1.5x" not in text
+
+
+@pytest.mark.parametrize("folder,argv", [
+    ("retention", ["retention", "retention/traces-17-28", "retention/rerun-1-16", "retention/rerun-17-28"]),
+    ("retention-full", ["retention-full/tau16", "retention-full/tau128", "--reference", "epikv,random,epikv@tau=128"]),
+])
+def test_committed_retention_reports_are_current_renders(tmp_path, capsys, folder, argv):
+    """The committed retention.md is what `epikv report` renders today from the committed records (the commands in
+    each folder's README), not a stale render of an older report."""
+    from pathlib import Path
+
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    argv = [str(res / a) if "/" in a or a == folder else a for a in argv]
+    assert main(["report", *argv, "--out", str(tmp_path)]) == 0
+    fresh = (tmp_path / "retention.md").read_text(encoding="utf-8")
+    assert fresh == (res / folder / "retention.md").read_text(encoding="utf-8"), \
+        f"re-render benchmarks/results/{folder} with epikv report"
