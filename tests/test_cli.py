@@ -258,3 +258,25 @@ def test_trace_shows_cjk_and_emoji_split_into_byte_tokens(tiny, tmp_path, capsys
     assert main(["trace", "--model", "random:tiny", "--prompt", "Q:", "--completion", text, "--html", str(out)]) == 0
     page = out.read_text(encoding="utf-8")
     assert "\ufffd" not in page and all(c in page for c in "数学🙂答案是✅")
+
+
+def test_live_rate_waits_until_it_means_something(tiny):
+    """The first decode step timed alone read 3,359 tok/s: the live rate stays blank for the first steps and the
+    first half second, then reads tokens over time."""
+    from epikv import generate
+    from epikv.commands.generate import status_line
+    from epikv.engine import StepInfo
+    from epikv.progress import live_rate, rate_text
+
+    assert live_rate(1, 0.0003) is None and live_rate(7, 10.0) is None and live_rate(8, 0.49) is None
+    assert live_rate(8, 0.5) == 16.0 and live_rate(30, 2.0) == 15.0
+    assert rate_text(None) == "... tok/s" and rate_text(12.345) == "12.3 tok/s"
+    info = StepInfo(step=0, new_token_ids=[5], new_text="x", cache_tokens=9, evictions=0, tokens_per_s=None)
+    assert status_line(info) == "[1 tokens | cache 9 | 0 evictions | ... tok/s]"
+    info.step, info.tokens_per_s = 19, 14.04
+    assert status_line(info) == "[20 tokens | cache 9 | 0 evictions | 14.0 tok/s]"
+    seen = []
+    generate(tiny.model, tiny.tokenizer, "Hello there", budget=64, max_new_tokens=12, eos_token_ids=[],
+             on_step=seen.append)
+    assert len(seen) == 12 and seen[0].tokens_per_s is None  # the first step: no rate, whatever the clock said
+    assert all(s.tokens_per_s is None or s.step + 1 >= 8 for s in seen)

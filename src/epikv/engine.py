@@ -19,6 +19,7 @@ import torch
 from .cache import EpiKVCache, cache_kwarg, decoder_layers
 from .errors import ContextWarning, EpiKVError
 from .policies import Policy, get_policy
+from .progress import live_rate
 
 
 def _number(x) -> bool:
@@ -263,7 +264,7 @@ class StepInfo:
     new_text: str
     cache_tokens: int
     evictions: int
-    tokens_per_s: float
+    tokens_per_s: float | None  # decode rate so far; None for the first steps, when it means nothing (live_rate)
 
 
 def model_context(model) -> int | None:
@@ -427,7 +428,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
                     on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:],
                                      new_text=_new_text(tokenizer, host_tokens[0]),
                                      cache_tokens=marks[-1][0]["final_cache_tokens"],
-                                     evictions=marks[-1][0]["evictions"], tokens_per_s=(step + 1) / max(elapsed, 1e-9)))
+                                     evictions=marks[-1][0]["evictions"], tokens_per_s=live_rate(step + 1, elapsed)))
                 if all(fin_host) or last:
                     break
                 finished = torch.tensor(fin_host, device=dev) | finished

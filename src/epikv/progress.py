@@ -28,6 +28,20 @@ def _dur(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
+def live_rate(n: int, seconds: float, min_n: int = 8, min_seconds: float = 0.5) -> float | None:
+    """Items per second so far, or None until at least `min_n` items and `min_seconds` have passed: an early
+    reading times a step or two against a clock that barely moved (the first decode step read 3,359 tok/s) and
+    means nothing."""
+    if n < min_n or seconds < min_seconds:
+        return None
+    return n / seconds
+
+
+def rate_text(rate: float | None, unit: str = "tok/s") -> str:
+    """'12.3 tok/s', or '... tok/s' while the rate is not yet meaningful."""
+    return f"... {unit}" if rate is None else f"{rate:.1f} {unit}"
+
+
 def default_interval() -> float:
     try:
         return float(os.environ.get("EPIKV_PROGRESS_SECONDS", "20"))

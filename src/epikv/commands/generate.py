@@ -40,6 +40,14 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+def status_line(info) -> str:
+    """The live status line of one decode step (the rate only once it means something: `progress.live_rate`)."""
+    from ..progress import rate_text
+
+    return (f"[{info.step + 1} tokens | cache {info.cache_tokens} | {info.evictions} evictions | "
+            f"{rate_text(info.tokens_per_s)}]")
+
+
 def run(args) -> int:
     from ..engine import Sampling, generate, layer_choice
     from ..policies import get_policy
@@ -67,8 +75,7 @@ def run(args) -> int:
         sys.stdout.write(info.new_text)
         sys.stdout.flush()
         if tty:
-            sys.stderr.write(f"\x1b7\x1b[999;1H\x1b[2K[{info.step + 1} tokens | cache {info.cache_tokens} | "
-                             f"{info.evictions} evictions | {info.tokens_per_s:.1f} tok/s]\x1b8")
+            sys.stderr.write(f"\x1b7\x1b[999;1H\x1b[2K{status_line(info)}\x1b8")
             sys.stderr.flush()
 
     layers = layer_choice(lm.model, get_policy(args.policy, tau=args.tau, **settings))
