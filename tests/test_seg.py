@@ -138,6 +138,79 @@ def test_segment_statistic_is_unbiased_key_variance_over_heads_then_layers():
     assert torch.allclose(slot_statistic(keys, "norm", torch.device("cpu")), sum(k.norm(dim=-1).mean(1) for k in keys) / 2)
 
 
+def test_nan_ranks_lowest_in_tier_pass_fill_swap_and_top_up():
+    """A NaN rank (a slot the score could not rate) never wins a slot over a rated one, and is the first kept slot
+    the swap gives up."""
+    rank, stat = _seg_inputs()
+    nan = [9, 12, 18, 19, 25]  # 9, 12: segment 1 (R, cap 4 of 8); 18, 19: rest of T; 25: the partial segment (all kept)
+    rank[0, nan] = float("nan")
+    rated = rank.clone()
+    rated[0, nan] = -1.0 - torch.arange(len(nan)).float()  # below every rated slot (ranks are 0..29), distinct
+    # the tier pass alone
+    chosen = tier_pass(rank[0], stat[0], 0, PROMPT, N - RECENT, 20, SEG, CAPS)
+    assert torch.equal(chosen, tier_pass(rated[0], stat[0], 0, PROMPT, N - RECENT, 20, SEG, CAPS))
+    assert not chosen[[9, 12, 18, 19]].any() and bool(chosen[25])
+    # fill: 4 more slots out of 10 rated candidates
+    budget = PROMPT + RECENT + 14
+    view = _view(N, budget, RECENT, n_protect=PROMPT)
+    keep = set(seg_keep(rank, stat, view, SEG, CAPS, fill=True)[0].tolist())
+    assert keep == set(seg_keep(rated, stat, view, SEG, CAPS, fill=True)[0].tolist())
+    assert not keep & {9, 12, 18, 19}
+    # swap: the NaN slot 25 (kept: its segment keeps all it has) is the lowest-ranked kept slot
+    value = torch.rand(1, N, generator=torch.Generator().manual_seed(1))
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT)
+    base = set(seg_keep(rank, stat, view, SEG, CAPS)[0].tolist())
+    swapped = set(seg_keep(rank, stat, view, SEG, CAPS, value=value, swap=1)[0].tolist())
+    assert 25 in base and 25 not in swapped and len(swapped) == len(base)
+    # top-up: row 0 (one short of row 1) takes its best rated slot, not a NaN one
+    stat2 = stat.clone()
+    stat2[0, 16:24] = 5.0
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT, batch=2)
+    both = seg_keep(torch.cat([rank, rank]), torch.cat([stat, stat2]), view, SEG, CAPS)
+    alone = set(seg_keep(rank, stat, _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT), SEG, CAPS)[0].tolist())
+    extra = set(both[0].tolist()) - alone
+    assert len(extra) == 1 and not extra & set(nan)
+    rest = [i for i in range(PROMPT, N - RECENT) if i not in alone and i not in nan]
+    assert extra == {max(rest, key=lambda i: rank[0, i].item())}
+
+
+def test_seg_keep_reads_the_segment_statistic_from_the_keys():
+    """EpiKVSeg.keep: tiers come from the key variance; values only feed the swap."""
+    g = torch.Generator().manual_seed(8)
+    key_scale, value_scale = [2.0, 4.0, 1.0, 3.0], [4.0, 1.0, 3.0, 2.0]  # different tier orders
+
+    def cached(scales):
+        x = torch.randn(2, 1, 2, N, 8, generator=g)  # [layers, batch, kv_heads, n, dim]
+        for s, v in enumerate(scales):
+            x[..., s * SEG : (s + 1) * SEG, :] *= v
+        return list(x)
+
+    keys, values = cached(key_scale), cached(value_scale)
+    rank, _ = _seg_inputs()
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT, token_data={"score": rank}, keys=keys,
+                 values=values)
+    pol = get_policy("epikv-seg", segment=SEG, caps=CAPS)
+    got = pol.keep(None, view)
+    cpu = torch.device("cpu")
+    by_keys = seg_keep(rank, slot_statistic(keys, "var", cpu), view, SEG, CAPS)
+    by_values = seg_keep(rank, slot_statistic(values, "var", cpu), view, SEG, CAPS)
+    assert torch.equal(got, by_keys) and not torch.equal(by_keys, by_values)
+
+
+def test_shipped_defaults():
+    seg = get_policy("epikv-seg")
+    assert tuple(seg.caps) == (64, 32, 8) and seg.segment == 128 and seg.tau == 128 and seg.rule == "pruned"
+    assert not seg.fill and seg.swap == 0
+    q = get_policy("epikv-seg-q")
+    assert q.fill is True and q.rule == "steps" and q.queries == 8 and q.mode == "replace"
+    assert tuple(q.caps) == (64, 32, 8) and q.segment == 128
+    for name in ("kv-key", "kv-val"):
+        assert get_policy(name).window == 64
+        assert get_policy(name, window=1).window == 1  # the smallest window is accepted
+        with pytest.raises(EpiKVError, match="window must be at least 1"):
+            get_policy(name, window=0)
+
+
 # -- schedule ----------------------------------------------------------------------------------------------------------
 
 def test_schedule_rules():
@@ -188,10 +261,12 @@ def test_pruned_rule_evicts_at_multiples_of_tau_over_budget(tiny):
 
 
 def test_steps_rule_evicts_after_tau_steps_over_budget(tiny):
-    dec, events = _decode(tiny, "epikv-seg-q", 40, 90, tau=16, segment=8)
+    dec, events = _decode(tiny, "epikv-seg-q", 40, 90, tau=16, segment=8, caps=(4, 2, 1))
     assert len(events) >= 3 and events[0][2] >= 16  # the first: the decode steps so far
     for n, _, steps in events[1:]:
-        assert n > 40 and steps == 16  # fill: back to exactly K, then 16 steps
+        # fill (on by default for Seg-Q): each eviction ends at exactly K, so the next one finds K + 16 after 16 steps
+        # (without fill the caps leave the cache below K and the next eviction finds fewer slots)
+        assert n == 40 + 16 and steps == 16
     assert dec.cache.layers[0].length <= 40 + 15
 
 
