@@ -424,6 +424,97 @@ def test_query_relevance_masks_future_slots_and_padding():
     torch.testing.assert_close(rel[0], torch.tensor([0.0, 7 / 24, 7 / 24, 7 / 24, 1 / 8]))
 
 
+def test_query_relevance_leaves_invalid_queries_out_of_the_mean():
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 3, 4, generator=g)
+    k = torch.randn(1, 1, 6, 4, generator=g)
+    pos = torch.arange(6)[None]
+    n_pad = torch.tensor([0])
+    valid = torch.tensor([[False, True, True]])  # the oldest query is padding
+    got = query_relevance(q, k, valid, pos, n_pad)
+    # the same two valid queries, alone, at the same true positions (the newest last)
+    alone = query_relevance(q[:, :, 1:], k, torch.ones(1, 2, dtype=torch.bool), pos, n_pad)
+    torch.testing.assert_close(got, alone)
+    everything = query_relevance(q, k, torch.ones(1, 3, dtype=torch.bool), pos, n_pad)
+    assert not torch.allclose(got, everything)
+
+
+def test_seg_q_add_mode_adds_the_weighted_relevance_z_score():
+    g = torch.Generator().manual_seed(10)
+    n, n_layers = 12, 4
+    pol = get_policy("epikv-seg-q", mode="add", weight=0.5)
+    qa = pol.query_layer(n_layers)
+    keys = [torch.randn(1, 1, n, 4, generator=g) for _ in range(n_layers)]
+    queries = [None] * n_layers
+    queries[qa] = torch.randn(1, 2, 8, 4, generator=g)
+    score = torch.randn(1, n, generator=g)
+    pos = torch.arange(n)[None]
+    view = _view(n, 8, 2, n_protect=3, keys=keys, values=keys, token_data={"score": score, "pos": pos},
+                 queries=queries, query_valid=torch.ones(1, 8, dtype=torch.bool))
+    got = pol.ranking(None, view)
+    decode = torch.arange(n)[None] >= 3
+    rel = query_relevance(queries[qa], keys[qa], view.query_valid, pos, view.n_pad)
+    want = zscore_over(score, decode) + 0.5 * zscore_over(rel, decode)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    torch.testing.assert_close(get_policy("epikv-seg-q").ranking(None, view), zscore_over(rel, decode),
+                               equal_nan=True)  # replace: the relevance alone
+
+
+def _rotated_queries(model, ids, a, w):
+    """Block a's rotated queries of the last w tokens of ids, recomputed from a plain forward: [1, heads, w, dim]."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    n = ids.shape[1]
+    out = model(ids, output_hidden_states=True)
+    h = out.hidden_states[a][:, -w:]  # block a-1's output = block a's input
+    layer = model.model.layers[a]
+    x = layer.input_layernorm(h)
+    q = layer.self_attn.q_proj(x).view(1, w, -1, layer.self_attn.head_dim).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(x, torch.arange(n - w, n)[None])
+    return apply_rotary_pos_emb(q, q, cos, sin)[0]
+
+
+def test_query_hook_rotates_a_long_forward_at_its_newest_positions(tiny):
+    """A prefill (or chunk) longer than the query window keeps its newest w queries, rotated at their own positions."""
+    model, w = tiny.model, 8
+    ids = torch.randint(0, 1000, (1, 27), generator=torch.Generator().manual_seed(11))
+    dec = Decoder(model, "epikv-seg-q", 1000)
+    a = dec.policy.query_layer(len(model.model.layers))
+    with torch.inference_mode():
+        dec.prefill(ids[:, :20], [0])  # 20 tokens > w
+        torch.testing.assert_close(dec.cache._queries[a], _rotated_queries(model, ids[:, :20], a, w),
+                                   atol=1e-4, rtol=1e-4)
+        dec.step(ids[:, 20:23])  # a chunk shorter than w: the window holds 5 old and 3 new queries
+        dec.step(ids[:, 23:27])
+        torch.testing.assert_close(dec.cache._queries[a], _rotated_queries(model, ids, a, w), atol=1e-4, rtol=1e-4)
+        assert dec.cache._query_valid.shape == (1, w) and bool(dec.cache._query_valid.all())
+
+
+def test_seg_q_padded_row_ranks_as_the_row_alone(tiny):
+    """The query window's validity follows the newest w tokens: a left-padded row (padding longer than w) ranks its
+    slots as it does decoded alone."""
+    tok = tiny.tokenizer
+    rows = [tok("one two three four five six seven eight nine ten eleven twelve thirteen")["input_ids"],
+            tok("hi")["input_ids"]]
+    cont = torch.randint(10, 2000, (1, 5), generator=torch.Generator().manual_seed(12))
+    width = max(map(len, rows))
+    pad = [width - len(r) for r in rows]
+    assert pad[1] > 8  # every query of the prefill's first w is padding
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, "epikv-seg-q", 1000)
+        dec.prefill(torch.tensor([[0] * p + r for p, r in zip(pad, rows)]), pad)
+        for t in range(5):
+            dec.step(cont.expand(2, -1)[:, t : t + 1])
+        both = dec.policy.ranking(dec.cache.state, dec.cache.view())
+        for i, r in enumerate(rows):
+            d = Decoder(tiny.model, "epikv-seg-q", 1000)
+            d.prefill(torch.tensor([r]), [0])
+            for t in range(5):
+                d.step(cont[:, t : t + 1])
+            alone = d.policy.ranking(d.cache.state, d.cache.view())[0]
+            torch.testing.assert_close(both[i, pad[i]:], alone, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
 def test_seg_q_is_not_attention_free_and_keeps_flash(tiny):
     from epikv.commands.policies import run
 
