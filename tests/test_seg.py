@@ -330,6 +330,39 @@ def test_value_reserve_keeps_top_values_and_displaces_lowest_scored():
         get_policy("epikv-seg", reserve=4)
 
 
+def _reserve_keep(score, vstat, budget, prot, recent, n_res):
+    view = _view(score.shape[-1], budget, recent, n_protect=prot, token_data={"score": score, "vstat": vstat})
+    pol = get_policy("epikv", reserve=n_res)
+    return set(select_keep(pol.scores(None, view), view)[0].tolist())
+
+
+def test_value_reserve_places_go_to_evictable_slots_only():
+    """The prompt and the recency window are kept anyway: their values, however large, take no reserve place."""
+    n, prot, recent, n_res = 14, 2, 2, 3
+    mid = list(range(prot, n - recent))
+    score = torch.zeros(1, n)
+    score[0, mid] = torch.arange(len(mid)).float()  # slot 2 lowest, slot 11 highest
+    vstat = torch.zeros(1, n)
+    vstat[0, mid] = -torch.arange(len(mid)).float()  # the lowest-scored evictable slots hold the largest values
+    vstat[0, :prot] = vstat[0, n - recent :] = 100.0  # larger still, but protected
+    keep = _reserve_keep(score, vstat, prot + recent + 4, prot, recent, n_res)
+    reserved = {2, 3, 4}  # the top 3 evictable by value
+    assert keep == set(range(prot)) | set(range(n - recent, n)) | reserved | {11}
+
+
+def test_value_reserve_larger_than_the_free_slots_keeps_the_highest_values():
+    n, prot, recent, n_res = 14, 2, 2, 6
+    mid = list(range(prot, n - recent))
+    g = torch.Generator().manual_seed(13)
+    vstat = torch.zeros(1, n)
+    vstat[0, mid] = torch.randperm(len(mid), generator=g).float()
+    score = torch.zeros(1, n)
+    score[0, mid] = -vstat[0, mid]  # scores rank the reserved slots the other way round
+    keep = _reserve_keep(score, vstat, prot + recent + 3, prot, recent, n_res)  # 3 free slots for 6 reserved
+    top3 = set(sorted(mid, key=lambda i: -vstat[0, i].item())[:3])
+    assert keep == set(range(prot)) | set(range(n - recent, n)) | top3
+
+
 @pytest.mark.parametrize("stat", ["range", "var", "norm"])
 def test_value_reserve_statistic_is_taken_on_arrival_and_follows_refilled_slots(tiny, stat):
     """The reserve reads each token's values when it is written and no cache at eviction, so the cache refills its
