@@ -43,6 +43,19 @@ def test_whole_pages_ranked_by_mean_score():
     assert 4 in select_keep(pr, view(n, 20, 3, 2))[0].tolist()
 
 
+def test_padding_is_left_out_of_an_unprotected_page_mean():
+    # 6 pages of 4, 6 padding slots, nothing protected but the recency window (2 slots, the newest page): page 0 is
+    # padding only, page 1 holds padding 4-5 and real 6-7. Budget 12 = the newest page + the 2 best others.
+    n, page = 24, 4
+    pr = torch.zeros(1, n)
+    pr[0, :6] = -100.0  # whatever a policy gives padding: it must not count
+    pr[0, 6:8] = 2.0  # page 1: mean 2 over its real slots (-49 if the padding counted)
+    pr[0, 8:12] = 1.5  # page 2
+    pr[0, 12:16] = 1.0  # page 3
+    keep = page_keep(pr, view(n, 12, 2, 0, n_pad=(6,)), page)[0].tolist()
+    assert keep == list(range(4, 12)) + list(range(20, 24))
+
+
 def test_protected_pages_are_kept_whole():
     # prompt 5 slots: pages 0 and 1 (slots 5-7 are decode slots kept with the prompt's page); recent 6 of 42:
     # slots 36-41, pages 9 (36-39) and 10 (40-41, the newest, partial): kept whole whatever the scores
