@@ -56,13 +56,13 @@ def test_padding_is_left_out_of_an_unprotected_page_mean():
     assert keep == list(range(4, 12)) + list(range(20, 24))
 
 
-def test_select_keep_ties_go_to_the_older_slot_whatever_the_batch():
-    """Equal priorities (e.g. the prompt's 0 scores under decode-only windows, protect_prompt off) are broken by
-    slot, the older first: a row keeps the same set alone and in any batch."""
+def test_select_keep_ties_go_to_the_newer_slot_whatever_the_batch():
+    """Equal priorities (e.g. the prompt's 0 scores under decode-only windows, protect_prompt off; padding) are
+    broken by slot, the newer first: a row keeps the same set alone and in any batch."""
     n, budget = 300, 40
     pr = torch.zeros(1, n)
     pr[0, [50, 120, 200]] = 1.0  # three clear winners, the rest of the middle ties
-    expect = [0, 1] + list(range(2, 2 + budget - 2 - 2 - 3)) + [50, 120, 200] + [n - 2, n - 1]
+    expect = [0, 1] + [50, 120, 200] + list(range(n - 2 - (budget - 2 - 2 - 3), n - 2)) + [n - 2, n - 1]
     v1 = CacheView(length=n, budget=budget, token_data={}, n_pad=torch.tensor([0]), n_protect=torch.tensor([2]),
                    recent=2, keys=[], values=[], device=torch.device("cpu"))
     assert select_keep(pr, v1)[0].tolist() == sorted(expect)
@@ -72,6 +72,10 @@ def test_select_keep_ties_go_to_the_older_slot_whatever_the_batch():
     assert select_keep(torch.cat([other, pr]), v4)[3].tolist() == sorted(expect)
     per_head = pr.expand(2, 3, n)[None]  # [batch, layers, heads, n]: the same rule per head
     assert (select_keep(per_head, v1)[0] == torch.tensor(sorted(expect))).all()
+    # padding (a row with fewer real tokens than the budget): the newest padding is kept, right before the real ones
+    vp = CacheView(length=20, budget=12, token_data={}, n_pad=torch.tensor([10]), n_protect=torch.tensor([2]),
+                   recent=2, keys=[], values=[], device=torch.device("cpu"))
+    assert select_keep(torch.zeros(1, 20), vp)[0].tolist() == list(range(8, 20))
 
 
 def test_protected_pages_are_kept_whole():
