@@ -46,6 +46,7 @@ class Runtime:
         self.hidden: dict[int, torch.Tensor] = {}
         self.scheduler = self.cache = self.alloc = self.manager = None
         self.handles: list = []
+        self.in_flight_hist: dict[int, int] = {}
         self.checked_cu = False
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
@@ -259,6 +260,8 @@ def scheduler_class():
             st["steps"] += 1
             holding = sum(1 for rid, t in rt.alloc.block_table.items() if t)  # requests whose KV is in the cache
             st["max_in_flight"] = max(st["max_in_flight"], holding)
+            if scheduled:  # how many requests hold pages, per forward (a histogram: bounded memory)
+                rt.in_flight_hist[holding] = rt.in_flight_hist.get(holding, 0) + 1
             st["max_batch"] = max(st.get("max_batch", 0), len(scheduled or ()))
             st["pages_in_use"] = rt.pages_in_use()
             st["peak_pages"] = max(st["peak_pages"], st["pages_in_use"])
@@ -341,6 +344,17 @@ def serving_stats(manager) -> dict:
         evicted[rid] = tr.evicted
     st["evicted"] = evicted
     st["preemptions"] = st["offloads"] + st["soft_resets"]
+    hist = sorted(rt.in_flight_hist.items())
+    steps = sum(c for _, c in hist)
+    # requests holding pages, over the forwards: the mean and median say what the cache sustains; the max is
+    # often the first burst of prompts, admitted before any of them has grown
+    st["in_flight_mean"] = sum(k * c for k, c in hist) / steps if steps else 0.0
+    acc, st["in_flight_p50"] = 0, 0
+    for k, c in hist:
+        acc += c
+        if 2 * acc >= steps:
+            st["in_flight_p50"] = k
+            break
     st["num_blocks"] = rt.alloc.num_blocks if rt.alloc is not None else None
     st["policy"], st["budget"], st["page"] = rt.policy.name, rt.budget, rt.spec.page
     return st
