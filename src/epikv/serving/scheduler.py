@@ -48,6 +48,7 @@ class Runtime:
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
         self.checked_cu = False
+        self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
                           soft_resets=0, forks=0, refused=0, steps=0, evicted={})
@@ -79,7 +80,8 @@ class Runtime:
         return hook
 
     def _pre(self, module, args, kwargs):
-        if self.batch is None:  # a forward the scheduler did not plan (none in normal serving)
+        # only the generation loop's own forward, planned by the scheduler (not a forward of another thread)
+        if self.batch is None or threading.get_ident() != self.loop_thread:
             return None
         lens = [t for _, _, _, t in self.batch]
         cu = kwargs.get("cu_seq_lens_q")
@@ -256,6 +258,7 @@ def scheduler_class():
                         rt.admitted.add(rid)
                     batch.append((rid, state, state.position_offset, fs.query_length))
                 rt.batch = batch
+                rt.loop_thread = threading.get_ident()
             st = rt.stats
             st["steps"] += 1
             holding = sum(1 for rid, t in rt.alloc.block_table.items() if t)  # requests whose KV is in the cache
