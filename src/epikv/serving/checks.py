@@ -74,10 +74,12 @@ def build_policy(spec: ServeSpec):
     probe = pol.observes(32)
     if not pol.evicts:
         return pol
-    if probe.attention_layers or not pol.attention_free:
+    if probe.attention_layers:
         why = "needs attention weights, which paged attention kernels never produce"
     elif probe.queries:
         why = "reads recomputed query states, which the serving hooks do not capture"
+    elif not pol.attention_free:
+        why = "is not attention-free"
     elif pol.granularity != "token":
         why = f"keeps a different token set per {pol.granularity}, which a paged engine cannot free page by page"
     elif type(pol).keep is not Policy.keep:  # its own keep rule (e.g. epikv-seg's caps)
