@@ -44,13 +44,15 @@ def _replay(lm, policy, lengths=LENGTHS, budget=96, page=8, recency=16, new=NEW,
     return prompts, outs, refs, stats
 
 
-@pytest.mark.parametrize("policy, tau", [("epikv", None), ("streaming", None), ("kv-key", None), ("epikv", 5)])
+@pytest.mark.parametrize("policy, tau", [("epikv", None), ("streaming", None), ("kv-key", None), ("lag-kv", None),
+                                         ("random", None), ("epikv", 5)])
 def test_replay_equivalence(tiny, policy, tau):
     """Every request's tokens under continuous batching with page eviction equal the library's batch-1 run of the
     same policy at page granularity (greedy): same evictions at the same steps (tau), same tokens."""
     prompts, outs, refs, stats = _replay(tiny, policy, tau=tau)
     assert stats["preemptions"] == 0  # the cache holds every request: nothing re-prefilled
     assert stats["max_batch"] >= 6  # >= 6 requests in one forward
+    assert stats["chunked_prefills"] >= 3  # prompts over max_batch_tokens=32 prefilled in chunks
     for p, o, r in zip(prompts, outs, refs):
         assert len(o) == len(r.token_ids[0])
         assert o == r.token_ids[0], f"prompt of {len(p)} tokens diverges"

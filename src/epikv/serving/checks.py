@@ -201,8 +201,12 @@ def check_internals():
     except ImportError:
         raise ServingUnsupported("continuous_batching.continuous_api") from None
     mgr = _need(api_mod, "ContinuousBatchingManager", "continuous_api")
-    for m in ("warmup", "start", "stop", "is_running", "add_request", "get_result", "cancel_request"):
+    for m in ("start", "stop", "is_running", "add_request", "get_result", "cancel_request"):
         _need(mgr, m, "ContinuousBatchingManager")
+    if not (hasattr(mgr, "warmup") or hasattr(mgr, "_create_batch_processor")):
+        raise ServingUnsupported("ContinuousBatchingManager.warmup")
+    fs = _need(req_mod, "FutureRequestState", "requests")
+    _params(fs.__init__, "FutureRequestState.__init__", ("state", "has_new_token", "query_length"))
     pac = _need(cache_mod, "PagedAttentionCache", "cache")
     for m in ("free_blocks", "cache_allocators"):
         if m != "cache_allocators":

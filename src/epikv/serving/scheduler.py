@@ -47,6 +47,7 @@ class Runtime:
         self.scheduler = self.cache = self.alloc = self.manager = None
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
+        self.chunked: set[str] = set()
         self.checked_cu = False
         self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
@@ -257,6 +258,8 @@ def scheduler_class():
                         rt.tracks[rid] = rt.new_track(state)
                         rt.admitted.add(rid)
                     batch.append((rid, state, state.position_offset, fs.query_length))
+                    if not fs.has_new_token:  # prefill continues in a later forward: a chunked prefill
+                        rt.chunked.add(rid)
                 rt.batch = batch
                 rt.loop_thread = threading.get_ident()
             st = rt.stats
@@ -312,7 +315,11 @@ def start_manager(model, spec: ServeSpec, generation_config=None):
                                                  continuous_batching_config=cb)
         rt.manager = manager
         _check_resolved(manager.continuous_batching_config)
-        manager.warmup()  # builds the batch processor here, so the scheduler's cache probe raises in this thread
+        # build the batch processor (hence the scheduler and its cache probe) here, so a refusal raises in this thread
+        if hasattr(manager, "warmup"):
+            manager.warmup()
+        else:
+            manager.batch_processor = manager._create_batch_processor()
         if rt.scheduler is None:
             raise ServingUnsupported("scheduler_type", "the epikv scheduler was not instantiated from "
                                      "SCHEDULER_MAPPING")
@@ -347,6 +354,7 @@ def serving_stats(manager) -> dict:
         evicted[rid] = tr.evicted
     st["evicted"] = evicted
     st["preemptions"] = st["offloads"] + st["soft_resets"]
+    st["chunked_prefills"] = len(rt.chunked)
     hist = sorted(rt.in_flight_hist.items())
     steps = sum(c for _, c in hist)
     # requests holding pages, over the forwards: the mean and median say what the cache sustains; the max is
