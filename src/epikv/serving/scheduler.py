@@ -40,19 +40,17 @@ class Runtime:
         self.recent = policy.recent_window(spec.budget) if policy.evicts else 0
         self.device = model.get_input_embeddings().weight.device
         self.tracks: dict[str, Track] = {}
-        self.admitted: set[str] = set()
         self.batch: list[tuple[str, Any, int, int]] | None = None  # (request id, state, stored before, new tokens)
         self.open = False
         self.hidden: dict[int, torch.Tensor] = {}
         self.scheduler = self.cache = self.alloc = self.manager = None
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
-        self.chunked: set[str] = set()
         self.checked_cu = False
         self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
-                          soft_resets=0, forks=0, refused=0, steps=0, evicted={})
+                          soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, evicted={})
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -198,10 +196,14 @@ def scheduler_class():
 
         def add_waiting_request(self, state) -> None:
             rt = self._rt
-            if rt is not None and state.request_id in rt.admitted:
+            if rt is not None:
                 # back from preemption: a CPU-offloaded request keeps its pages' content and its state; a soft
-                # reset is a new request (prompt + generated so far), whose state starts over
-                rt.stats["offloads" if getattr(state, "is_cpu_offloaded", False) else "soft_resets"] += 1
+                # reset is a new request (prompt + generated so far, the true prompt length kept), whose state
+                # starts over
+                if getattr(state, "is_cpu_offloaded", False):
+                    rt.stats["offloads"] += 1
+                elif len(state.initial_tokens) > (getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)):
+                    rt.stats["soft_resets"] += 1
             super().add_waiting_request(state)
 
         def finish_request(self, request_id: str) -> None:
@@ -224,14 +226,15 @@ def scheduler_class():
                     parent = rt.tracks.get(rid.rsplit("__child#", 1)[0])
                     if parent is not None:
                         rt.tracks[rid] = parent.fork()
-                        rt.admitted.add(rid)
                         rt.stats["forks"] += 1
             for rid in list(self.waiting_requests_order):
                 state = self.waiting_requests.get(rid)
-                if state is not None and rid not in rt.admitted:
+                if state is not None and not getattr(state, "_epikv_checked", False):
                     msg = rt.too_long(state)
                     if msg:
                         rt.fail(self, state, msg)
+                    else:
+                        state._epikv_checked = True  # checked once per request (a soft reset is checked again)
             if rt.policy.evicts:
                 for rid, state in list(self.active_requests.items()):
                     tr = rt.tracks.get(rid)
@@ -256,10 +259,10 @@ def scheduler_class():
                     rid = state.request_id
                     if rid not in rt.tracks:
                         rt.tracks[rid] = rt.new_track(state)
-                        rt.admitted.add(rid)
                     batch.append((rid, state, state.position_offset, fs.query_length))
-                    if not fs.has_new_token:  # prefill continues in a later forward: a chunked prefill
-                        rt.chunked.add(rid)
+                    if not fs.has_new_token and not getattr(state, "_epikv_chunked", False):
+                        state._epikv_chunked = True  # its prefill continues in a later forward: chunked
+                        rt.stats["chunked_prefills"] += 1
                 rt.batch = batch
                 rt.loop_thread = threading.get_ident()
             st = rt.stats
@@ -354,7 +357,6 @@ def serving_stats(manager) -> dict:
         evicted[rid] = tr.evicted
     st["evicted"] = evicted
     st["preemptions"] = st["offloads"] + st["soft_resets"]
-    st["chunked_prefills"] = len(rt.chunked)
     hist = sorted(rt.in_flight_hist.items())
     steps = sum(c for _, c in hist)
     # requests holding pages, over the forwards: the mean and median say what the cache sustains; the max is
