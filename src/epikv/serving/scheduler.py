@@ -202,7 +202,8 @@ def scheduler_class():
                 # starts over
                 if getattr(state, "is_cpu_offloaded", False):
                     rt.stats["offloads"] += 1
-                elif len(state.initial_tokens) > (getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)):
+                elif len(state.initial_tokens) > (getattr(state, "_true_initial_tokens", 0)
+                                                  or len(state.initial_tokens)):
                     rt.stats["soft_resets"] += 1
             super().add_waiting_request(state)
 
