@@ -190,7 +190,8 @@ def check_internals():
         _need(fifo, m, "Scheduler")
     state_cls = _need(req_mod, "RequestState", "requests")
     sfields = {f.name for f in dataclasses.fields(state_cls)} if dataclasses.is_dataclass(state_cls) else set()
-    for f in ("request_id", "initial_tokens", "position_offset", "generated_tokens", "_true_initial_tokens"):
+    # (_true_initial_tokens and is_cpu_offloaded, of soft resets and CPU offloading, are read only where present)
+    for f in ("request_id", "initial_tokens", "position_offset", "generated_tokens"):
         if f not in sfields:
             raise ServingUnsupported(f"RequestState.{f}")
     status = _need(req_mod, "RequestStatus", "requests")
