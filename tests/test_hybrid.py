@@ -289,3 +289,29 @@ def test_all_sliding_model():
                         + [dec.step(ids[:, t : t + 1]) for t in range(5, 20)])
         ref = m(ids).logits[0]
     assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_qwen2_use_sliding_window_false_means_no_sliding_layers():
+    """Qwen2 / Qwen3 configs keep `sliding_window` (4096, 131072 ...) with `use_sliding_window: false`: every layer
+    is full attention. transformers 5.25 nulls the window itself; a config that keeps it and has no layer_types
+    (as loaded elsewhere) must read the same, not as Mistral v0.1's every-layer window."""
+    from transformers import Qwen2Config
+
+    from epikv.cache import attention_layout
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=300, use_sliding_window=False, sliding_window=16)
+    fake = types.SimpleNamespace(config=cfg)
+    assert attention_layout(fake, 4) == (frozenset(), None)
+    cfg.sliding_window, cfg.layer_types = 16, None  # the window kept, no per-layer types
+    assert attention_layout(fake, 4) == (frozenset(), None)
+    cfg.use_sliding_window = True  # switched on and no layer types: every layer slides
+    assert attention_layout(fake, 4) == (frozenset(range(4)), 16)
+    cfg.use_sliding_window = False
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=300)).eval()
+    m.config.sliding_window, m.config.layer_types = 16, None
+    assert EpiKVCache(m, "epikv", budget=32).is_sliding == [False] * 4  # an evicting cache, no sliding layer

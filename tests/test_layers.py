@@ -81,3 +81,12 @@ def test_generate_json_names_the_blocks(capsys, tiny, monkeypatch):
     monkeypatch.setitem(signals.PUBLISHED_PAIRS, sig, ((0, 2), "a test pair"))
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["layers"] == "blocks 0, 2 (from a test pair: 0, 2)"
+
+
+def test_generate_live_names_the_blocks_once_the_run_starts(capsys, tiny):
+    # the note comes once, on stderr, when the run has passed its checks (a refused run prints one error line only:
+    # test_cli.test_generate_bad_input)
+    argv = ["generate", "--model", "random:tiny", "--prompt", "Hello there", "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("[epikv reads blocks 1, 3 (from the paper's 10, 21 of 32, scaled to 1, 3 for 4 blocks)]") == 1

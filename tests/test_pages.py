@@ -43,6 +43,41 @@ def test_whole_pages_ranked_by_mean_score():
     assert 4 in select_keep(pr, view(n, 20, 3, 2))[0].tolist()
 
 
+def test_padding_is_left_out_of_an_unprotected_page_mean():
+    # 6 pages of 4, 6 padding slots, nothing protected but the recency window (2 slots, the newest page): page 0 is
+    # padding only, page 1 holds padding 4-5 and real 6-7. Budget 12 = the newest page + the 2 best others.
+    n, page = 24, 4
+    pr = torch.zeros(1, n)
+    pr[0, :6] = -100.0  # whatever a policy gives padding: it must not count
+    pr[0, 6:8] = 2.0  # page 1: mean 2 over its real slots (-49 if the padding counted)
+    pr[0, 8:12] = 1.5  # page 2
+    pr[0, 12:16] = 1.0  # page 3
+    keep = page_keep(pr, view(n, 12, 2, 0, n_pad=(6,)), page)[0].tolist()
+    assert keep == list(range(4, 12)) + list(range(20, 24))
+
+
+def test_select_keep_ties_go_to_the_newer_slot_whatever_the_batch():
+    """Equal priorities (e.g. the prompt's 0 scores under decode-only windows, protect_prompt off; padding) are
+    broken by slot, the newer first: a row keeps the same set alone and in any batch."""
+    n, budget = 300, 40
+    pr = torch.zeros(1, n)
+    pr[0, [50, 120, 200]] = 1.0  # three clear winners, the rest of the middle ties
+    expect = [0, 1] + [50, 120, 200] + list(range(n - 2 - (budget - 2 - 2 - 3), n - 2)) + [n - 2, n - 1]
+    v1 = CacheView(length=n, budget=budget, token_data={}, n_pad=torch.tensor([0]), n_protect=torch.tensor([2]),
+                   recent=2, keys=[], values=[], device=torch.device("cpu"))
+    assert select_keep(pr, v1)[0].tolist() == sorted(expect)
+    other = torch.randn(3, n, generator=torch.Generator().manual_seed(0))
+    v4 = CacheView(length=n, budget=budget, token_data={}, n_pad=torch.zeros(4, dtype=torch.long),
+                   n_protect=torch.full((4,), 2), recent=2, keys=[], values=[], device=torch.device("cpu"))
+    assert select_keep(torch.cat([other, pr]), v4)[3].tolist() == sorted(expect)
+    per_head = pr.expand(2, 3, n)[None]  # [batch, layers, heads, n]: the same rule per head
+    assert (select_keep(per_head, v1)[0] == torch.tensor(sorted(expect))).all()
+    # padding (a row with fewer real tokens than the budget): the newest padding is kept, right before the real ones
+    vp = CacheView(length=20, budget=12, token_data={}, n_pad=torch.tensor([10]), n_protect=torch.tensor([2]),
+                   recent=2, keys=[], values=[], device=torch.device("cpu"))
+    assert select_keep(torch.zeros(1, 20), vp)[0].tolist() == list(range(8, 20))
+
+
 def test_protected_pages_are_kept_whole():
     # prompt 5 slots: pages 0 and 1 (slots 5-7 are decode slots kept with the prompt's page); recent 6 of 42:
     # slots 36-41, pages 9 (36-39) and 10 (40-41, the newest, partial): kept whole whatever the scores

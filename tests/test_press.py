@@ -97,3 +97,17 @@ def test_attention_policy_gets_eager_per_call(tiny):
     assert m.config._attn_implementation == before
     with torch.inference_mode():
         assert _is_original(m)
+
+
+def test_last_stats_describe_the_last_call(tiny):
+    m, tok = tiny.model, tiny.tokenizer
+    enc = tok(PROMPT, return_tensors="pt")
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
+    short = EpiKVCache(m, "epikv", budget=16, tau=2)
+    m.generate(**enc, max_new_tokens=8, **kw, **{cache_kwarg(m): short})
+    with epikv.press(m, policy="epikv", budget=16, tau=2) as p:
+        m.generate(**enc, max_new_tokens=40, **kw)
+        first = p.last_stats
+        m.generate(**enc, max_new_tokens=8, **kw)
+    assert p.calls == 2 and p.last_stats == short.stats() and p.last_stats != first
+    assert first["evictions"] > p.last_stats["evictions"]

@@ -25,6 +25,24 @@ def test_hole_fill_moves_only_the_tail_into_the_holes():
     assert moved == [2, 1, 0]  # one move per evicted slot below K, not a compaction
 
 
+def test_hole_fill_non_movers_stay_put_in_scrambled_rows():
+    """After a refill the kept slots are in true order, not slot order: rows of scrambled physical slots with
+    different move counts. Only slots at K or beyond move; every other kept slot keeps its place."""
+    k = 6
+    kept = torch.tensor([[4, 8, 0, 2, 9, 5],  # holes 1, 3 <- 8, 9
+                         [5, 3, 1, 7, 0, 2],  # hole 4 <- 7
+                         [3, 0, 5, 1, 4, 2],  # nothing moves
+                         [9, 8, 7, 0, 1, 2]])  # holes 3, 4, 5 <- 9, 8, 7
+    buf = torch.arange(10).repeat(4, 1)
+    src, dst, new = hole_fill(kept, m=4)
+    buf.scatter_(1, dst, buf.gather(1, src))
+    assert torch.equal(buf.gather(1, new), kept) and bool((new < k).all())
+    assert new.tolist() == [[4, 1, 0, 2, 3, 5], [5, 3, 1, 4, 0, 2], [3, 0, 5, 1, 4, 2], [3, 4, 5, 0, 1, 2]]
+    assert (src != dst).sum(1).tolist() == [2, 1, 0, 3]
+    stay = kept < k
+    assert torch.equal(new[stay], kept[stay])  # a non-mover is where it was
+
+
 def _oracle_logits(model, ids, allowed):
     """Logits of every fed position under a 4D mask: row t sees the positions in allowed[t]."""
     n = ids.shape[1]
@@ -139,3 +157,61 @@ def test_refill_after_a_prefill_that_outgrew_the_buffers(tiny):
         ref, rows = _oracle_logits(m, ids, allowed)
     got = torch.stack([got[t] for t in rows])
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+def test_compaction_after_a_refill_resets_the_physical_map(tiny):
+    """Refills scramble the slots (a map of physical places); a long later turn outgrows the buffers, so its
+    eviction compacts into true order and the map must go. Logits stay those of the masked full model after it."""
+    m = tiny.model
+    ids = torch.randint(10, 2000, (1, 130), generator=torch.Generator().manual_seed(6))
+    p, turn = 6, 60  # the turn: 20 + 60 slots > 2 (20 + 1 + 16) -> the buffers grow, the eviction compacts
+    allowed, got = {}, {}
+    with torch.inference_mode():
+        dec = Decoder(m, "epikv", budget=20, tau=1, recent=4)
+        dec.prefill(ids[:, :p], [0])
+        feeds = [(s, 1) for s in range(p, 40)] + [(40, turn)] + [(s, 1) for s in range(40 + turn, ids.shape[1])]
+        seen_map = compacted = False
+        for s, t in feeds:
+            before = dec.cache.token_data["pos"][0].tolist()
+            logits = dec.step(ids[:, s : s + t], all_logits=True)[0]
+            for j in range(t):
+                allowed[s + j] = set(before) | set(range(s, s + j + 1))
+                got[s + j] = logits[j]
+            phys = dec.cache._phys
+            if s < 40:
+                seen_map |= phys is not None and not torch.equal(phys[0], phys[0].sort().values)
+            elif t == turn:
+                compacted = phys is None
+        assert seen_map and compacted and dec.cache._phys is not None  # refilled, compacted, refilled again
+        ref, rows = _oracle_logits(m, ids, allowed)
+    got = torch.stack([got[t] for t in rows])
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+def test_compaction_after_a_refill_resets_the_padding_map(tiny):
+    """The same on a left-padded batch: the map of scattered padding slots goes with the compaction; every row's
+    logits, through the long turn and after it, equal the row decoded alone."""
+    tok = tiny.tokenizer
+    rows = [tok("one two three four five six seven eight nine ten eleven twelve")["input_ids"],
+            tok("hi")["input_ids"]]
+    cont = torch.randint(10, 2000, (1, 100), generator=torch.Generator().manual_seed(7))
+    feeds = [(s, 1) for s in range(20)] + [(20, 60)] + [(s, 1) for s in range(80, 100)]
+    kw = dict(budget=24, tau=1, recent=4)
+
+    def run(dec, ids, pad, batch):
+        dec.prefill(ids, pad)
+        out, maps = [], []
+        for s, t in feeds:
+            out.append(dec.step(cont.expand(batch, -1)[:, s : s + t], all_logits=True))
+            maps.append(dec.cache._pad_slots is not None)
+        return torch.cat(out, dim=1), maps
+
+    with torch.inference_mode():
+        singles = [run(Decoder(tiny.model, "epikv", **kw), torch.tensor([r]), [0], 1)[0][0] for r in rows]
+        w = max(map(len, rows))
+        pad = [w - len(r) for r in rows]
+        ids = torch.tensor([[0] * p + r for p, r in zip(pad, rows)])
+        both, maps = run(Decoder(tiny.model, "epikv", **kw), ids, pad, 2)
+    assert any(maps[:20]) and not maps[20]  # refilled with padding mapped, then compacted
+    for i in range(2):
+        assert torch.allclose(both[i], singles[i], atol=1e-4), (both[i] - singles[i]).abs().max()

@@ -138,6 +138,79 @@ def test_segment_statistic_is_unbiased_key_variance_over_heads_then_layers():
     assert torch.allclose(slot_statistic(keys, "norm", torch.device("cpu")), sum(k.norm(dim=-1).mean(1) for k in keys) / 2)
 
 
+def test_nan_ranks_lowest_in_tier_pass_fill_swap_and_top_up():
+    """A NaN rank (a slot the score could not rate) never wins a slot over a rated one, and is the first kept slot
+    the swap gives up."""
+    rank, stat = _seg_inputs()
+    nan = [9, 12, 18, 19, 25]  # 9, 12: segment 1 (R, cap 4 of 8); 18, 19: rest of T; 25: the partial segment (all kept)
+    rank[0, nan] = float("nan")
+    rated = rank.clone()
+    rated[0, nan] = -1.0 - torch.arange(len(nan)).float()  # below every rated slot (ranks are 0..29), distinct
+    # the tier pass alone
+    chosen = tier_pass(rank[0], stat[0], 0, PROMPT, N - RECENT, 20, SEG, CAPS)
+    assert torch.equal(chosen, tier_pass(rated[0], stat[0], 0, PROMPT, N - RECENT, 20, SEG, CAPS))
+    assert not chosen[[9, 12, 18, 19]].any() and bool(chosen[25])
+    # fill: 4 more slots out of 10 rated candidates
+    budget = PROMPT + RECENT + 14
+    view = _view(N, budget, RECENT, n_protect=PROMPT)
+    keep = set(seg_keep(rank, stat, view, SEG, CAPS, fill=True)[0].tolist())
+    assert keep == set(seg_keep(rated, stat, view, SEG, CAPS, fill=True)[0].tolist())
+    assert not keep & {9, 12, 18, 19}
+    # swap: the NaN slot 25 (kept: its segment keeps all it has) is the lowest-ranked kept slot
+    value = torch.rand(1, N, generator=torch.Generator().manual_seed(1))
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT)
+    base = set(seg_keep(rank, stat, view, SEG, CAPS)[0].tolist())
+    swapped = set(seg_keep(rank, stat, view, SEG, CAPS, value=value, swap=1)[0].tolist())
+    assert 25 in base and 25 not in swapped and len(swapped) == len(base)
+    # top-up: row 0 (one short of row 1) takes its best rated slot, not a NaN one
+    stat2 = stat.clone()
+    stat2[0, 16:24] = 5.0
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT, batch=2)
+    both = seg_keep(torch.cat([rank, rank]), torch.cat([stat, stat2]), view, SEG, CAPS)
+    alone = set(seg_keep(rank, stat, _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT), SEG, CAPS)[0].tolist())
+    extra = set(both[0].tolist()) - alone
+    assert len(extra) == 1 and not extra & set(nan)
+    rest = [i for i in range(PROMPT, N - RECENT) if i not in alone and i not in nan]
+    assert extra == {max(rest, key=lambda i: rank[0, i].item())}
+
+
+def test_seg_keep_reads_the_segment_statistic_from_the_keys():
+    """EpiKVSeg.keep: tiers come from the key variance; values only feed the swap."""
+    g = torch.Generator().manual_seed(8)
+    key_scale, value_scale = [2.0, 4.0, 1.0, 3.0], [4.0, 1.0, 3.0, 2.0]  # different tier orders
+
+    def cached(scales):
+        x = torch.randn(2, 1, 2, N, 8, generator=g)  # [layers, batch, kv_heads, n, dim]
+        for s, v in enumerate(scales):
+            x[..., s * SEG : (s + 1) * SEG, :] *= v
+        return list(x)
+
+    keys, values = cached(key_scale), cached(value_scale)
+    rank, _ = _seg_inputs()
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT, token_data={"score": rank}, keys=keys,
+                 values=values)
+    pol = get_policy("epikv-seg", segment=SEG, caps=CAPS)
+    got = pol.keep(None, view)
+    cpu = torch.device("cpu")
+    by_keys = seg_keep(rank, slot_statistic(keys, "var", cpu), view, SEG, CAPS)
+    by_values = seg_keep(rank, slot_statistic(values, "var", cpu), view, SEG, CAPS)
+    assert torch.equal(got, by_keys) and not torch.equal(by_keys, by_values)
+
+
+def test_shipped_defaults():
+    seg = get_policy("epikv-seg")
+    assert tuple(seg.caps) == (64, 32, 8) and seg.segment == 128 and seg.tau == 128 and seg.rule == "pruned"
+    assert not seg.fill and seg.swap == 0
+    q = get_policy("epikv-seg-q")
+    assert q.fill is True and q.rule == "steps" and q.queries == 8 and q.mode == "replace"
+    assert tuple(q.caps) == (64, 32, 8) and q.segment == 128
+    for name in ("kv-key", "kv-val"):
+        assert get_policy(name).window == 64
+        assert get_policy(name, window=1).window == 1  # the smallest window is accepted
+        with pytest.raises(EpiKVError, match="window must be at least 1"):
+            get_policy(name, window=0)
+
+
 # -- schedule ----------------------------------------------------------------------------------------------------------
 
 def test_schedule_rules():
@@ -188,10 +261,12 @@ def test_pruned_rule_evicts_at_multiples_of_tau_over_budget(tiny):
 
 
 def test_steps_rule_evicts_after_tau_steps_over_budget(tiny):
-    dec, events = _decode(tiny, "epikv-seg-q", 40, 90, tau=16, segment=8)
+    dec, events = _decode(tiny, "epikv-seg-q", 40, 90, tau=16, segment=8, caps=(4, 2, 1))
     assert len(events) >= 3 and events[0][2] >= 16  # the first: the decode steps so far
     for n, _, steps in events[1:]:
-        assert n > 40 and steps == 16  # fill: back to exactly K, then 16 steps
+        # fill (on by default for Seg-Q): each eviction ends at exactly K, so the next one finds K + 16 after 16 steps
+        # (without fill the caps leave the cache below K and the next eviction finds fewer slots)
+        assert n == 40 + 16 and steps == 16
     assert dec.cache.layers[0].length <= 40 + 15
 
 
@@ -253,6 +328,39 @@ def test_value_reserve_keeps_top_values_and_displaces_lowest_scored():
         get_policy("epikv", reserve_stat="max")
     with pytest.raises(EpiKVError, match="swap"):
         get_policy("epikv-seg", reserve=4)
+
+
+def _reserve_keep(score, vstat, budget, prot, recent, n_res):
+    view = _view(score.shape[-1], budget, recent, n_protect=prot, token_data={"score": score, "vstat": vstat})
+    pol = get_policy("epikv", reserve=n_res)
+    return set(select_keep(pol.scores(None, view), view)[0].tolist())
+
+
+def test_value_reserve_places_go_to_evictable_slots_only():
+    """The prompt and the recency window are kept anyway: their values, however large, take no reserve place."""
+    n, prot, recent, n_res = 14, 2, 2, 3
+    mid = list(range(prot, n - recent))
+    score = torch.zeros(1, n)
+    score[0, mid] = torch.arange(len(mid)).float()  # slot 2 lowest, slot 11 highest
+    vstat = torch.zeros(1, n)
+    vstat[0, mid] = -torch.arange(len(mid)).float()  # the lowest-scored evictable slots hold the largest values
+    vstat[0, :prot] = vstat[0, n - recent :] = 100.0  # larger still, but protected
+    keep = _reserve_keep(score, vstat, prot + recent + 4, prot, recent, n_res)
+    reserved = {2, 3, 4}  # the top 3 evictable by value
+    assert keep == set(range(prot)) | set(range(n - recent, n)) | reserved | {11}
+
+
+def test_value_reserve_larger_than_the_free_slots_keeps_the_highest_values():
+    n, prot, recent, n_res = 14, 2, 2, 6
+    mid = list(range(prot, n - recent))
+    g = torch.Generator().manual_seed(13)
+    vstat = torch.zeros(1, n)
+    vstat[0, mid] = torch.randperm(len(mid), generator=g).float()
+    score = torch.zeros(1, n)
+    score[0, mid] = -vstat[0, mid]  # scores rank the reserved slots the other way round
+    keep = _reserve_keep(score, vstat, prot + recent + 3, prot, recent, n_res)  # 3 free slots for 6 reserved
+    top3 = set(sorted(mid, key=lambda i: -vstat[0, i].item())[:3])
+    assert keep == set(range(prot)) | set(range(n - recent, n)) | top3
 
 
 @pytest.mark.parametrize("stat", ["range", "var", "norm"])
@@ -347,6 +455,97 @@ def test_query_relevance_masks_future_slots_and_padding():
     rel = query_relevance(q, k, torch.ones(1, 2, dtype=torch.bool), pos, torch.tensor([1]))
     # query 0 at position 2 sees slots 1..3 (1/3 each), query 1 at position 3 sees 1..4 (1/4 each)
     torch.testing.assert_close(rel[0], torch.tensor([0.0, 7 / 24, 7 / 24, 7 / 24, 1 / 8]))
+
+
+def test_query_relevance_leaves_invalid_queries_out_of_the_mean():
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 3, 4, generator=g)
+    k = torch.randn(1, 1, 6, 4, generator=g)
+    pos = torch.arange(6)[None]
+    n_pad = torch.tensor([0])
+    valid = torch.tensor([[False, True, True]])  # the oldest query is padding
+    got = query_relevance(q, k, valid, pos, n_pad)
+    # the same two valid queries, alone, at the same true positions (the newest last)
+    alone = query_relevance(q[:, :, 1:], k, torch.ones(1, 2, dtype=torch.bool), pos, n_pad)
+    torch.testing.assert_close(got, alone)
+    everything = query_relevance(q, k, torch.ones(1, 3, dtype=torch.bool), pos, n_pad)
+    assert not torch.allclose(got, everything)
+
+
+def test_seg_q_add_mode_adds_the_weighted_relevance_z_score():
+    g = torch.Generator().manual_seed(10)
+    n, n_layers = 12, 4
+    pol = get_policy("epikv-seg-q", mode="add", weight=0.5)
+    qa = pol.query_layer(n_layers)
+    keys = [torch.randn(1, 1, n, 4, generator=g) for _ in range(n_layers)]
+    queries = [None] * n_layers
+    queries[qa] = torch.randn(1, 2, 8, 4, generator=g)
+    score = torch.randn(1, n, generator=g)
+    pos = torch.arange(n)[None]
+    view = _view(n, 8, 2, n_protect=3, keys=keys, values=keys, token_data={"score": score, "pos": pos},
+                 queries=queries, query_valid=torch.ones(1, 8, dtype=torch.bool))
+    got = pol.ranking(None, view)
+    decode = torch.arange(n)[None] >= 3
+    rel = query_relevance(queries[qa], keys[qa], view.query_valid, pos, view.n_pad)
+    want = zscore_over(score, decode) + 0.5 * zscore_over(rel, decode)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    torch.testing.assert_close(get_policy("epikv-seg-q").ranking(None, view), zscore_over(rel, decode),
+                               equal_nan=True)  # replace: the relevance alone
+
+
+def _rotated_queries(model, ids, a, w):
+    """Block a's rotated queries of the last w tokens of ids, recomputed from a plain forward: [1, heads, w, dim]."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    n = ids.shape[1]
+    out = model(ids, output_hidden_states=True)
+    h = out.hidden_states[a][:, -w:]  # block a-1's output = block a's input
+    layer = model.model.layers[a]
+    x = layer.input_layernorm(h)
+    q = layer.self_attn.q_proj(x).view(1, w, -1, layer.self_attn.head_dim).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(x, torch.arange(n - w, n)[None])
+    return apply_rotary_pos_emb(q, q, cos, sin)[0]
+
+
+def test_query_hook_rotates_a_long_forward_at_its_newest_positions(tiny):
+    """A prefill (or chunk) longer than the query window keeps its newest w queries, rotated at their own positions."""
+    model, w = tiny.model, 8
+    ids = torch.randint(0, 1000, (1, 27), generator=torch.Generator().manual_seed(11))
+    dec = Decoder(model, "epikv-seg-q", 1000)
+    a = dec.policy.query_layer(len(model.model.layers))
+    with torch.inference_mode():
+        dec.prefill(ids[:, :20], [0])  # 20 tokens > w
+        torch.testing.assert_close(dec.cache._queries[a], _rotated_queries(model, ids[:, :20], a, w),
+                                   atol=1e-4, rtol=1e-4)
+        dec.step(ids[:, 20:23])  # a chunk shorter than w: the window holds 5 old and 3 new queries
+        dec.step(ids[:, 23:27])
+        torch.testing.assert_close(dec.cache._queries[a], _rotated_queries(model, ids, a, w), atol=1e-4, rtol=1e-4)
+        assert dec.cache._query_valid.shape == (1, w) and bool(dec.cache._query_valid.all())
+
+
+def test_seg_q_padded_row_ranks_as_the_row_alone(tiny):
+    """The query window's validity follows the newest w tokens: a left-padded row (padding longer than w) ranks its
+    slots as it does decoded alone."""
+    tok = tiny.tokenizer
+    rows = [tok("one two three four five six seven eight nine ten eleven twelve thirteen")["input_ids"],
+            tok("hi")["input_ids"]]
+    cont = torch.randint(10, 2000, (1, 5), generator=torch.Generator().manual_seed(12))
+    width = max(map(len, rows))
+    pad = [width - len(r) for r in rows]
+    assert pad[1] > 8  # every query of the prefill's first w is padding
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, "epikv-seg-q", 1000)
+        dec.prefill(torch.tensor([[0] * p + r for p, r in zip(pad, rows)]), pad)
+        for t in range(5):
+            dec.step(cont.expand(2, -1)[:, t : t + 1])
+        both = dec.policy.ranking(dec.cache.state, dec.cache.view())
+        for i, r in enumerate(rows):
+            d = Decoder(tiny.model, "epikv-seg-q", 1000)
+            d.prefill(torch.tensor([r]), [0])
+            for t in range(5):
+                d.step(cont[:, t : t + 1])
+            alone = d.policy.ranking(d.cache.state, d.cache.view())[0]
+            torch.testing.assert_close(both[i, pad[i]:], alone, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
 def test_seg_q_is_not_attention_free_and_keeps_flash(tiny):

@@ -4,6 +4,7 @@ lines off a terminal (epikv.progress); per-run memory (epikv.measure); retention
 import io
 import json
 import multiprocessing as mp
+import os
 import re
 import socket
 import subprocess
@@ -14,7 +15,8 @@ import pytest
 
 from epikv.cli import main
 from epikv.progress import Progress
-from epikv.store import CLAIMS, Store, _claim_name, _start_time, append_record, read_records
+import epikv.store as store_mod
+from epikv.store import CLAIMS, Store, Tail, _claim_name, _start_time, append_record, read_records
 
 STEPS = " ".join(f"Step {i}: add {i} to the total, which is now {i * (i + 1) // 2}." for i in range(1, 25))
 GOOD = {"id": "g", "problem": "Add the numbers step by step.",
@@ -69,6 +71,16 @@ def test_readers_never_modify_a_torn_file(tmp_path):
     assert read_records(path, strict=False) == [{"cell": 1}, {"cell": 2}]
 
 
+def _proc_start(pid):
+    """Field 22 (starttime) of /proc/PID/stat, read here independently of epikv.store: the name field (2) is in
+    parentheses and may hold spaces, so the fields are counted from the end of the line's last ')'."""
+    with open(f"/proc/{pid}/stat") as f:
+        line = f.read()
+    head, rest = line.rsplit(")", 1)
+    fields = [head.split(" (", 1)[0], head.split(" (", 1)[1]] + rest.split()  # fields 1, 2, 3, ...
+    return fields[21]
+
+
 def _claim_file(folder, key, pid, host=None, start=None):
     d = folder / CLAIMS
     d.mkdir(exist_ok=True)
@@ -82,7 +94,7 @@ def test_a_killed_writers_claim_is_taken_over(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         _claim_file(tmp_path, "a", dead.pid)  # its writer was killed: stale
-        _claim_file(tmp_path, "b", live.pid, start=_start_time(live.pid))  # a live writer on this host
+        _claim_file(tmp_path, "b", live.pid, start=_proc_start(live.pid))  # a live writer on this host
         _claim_file(tmp_path, "c", 1, host="another-host")  # cannot be checked from here: honoured
         _claim_file(tmp_path, "d", live.pid, start="1")  # the pid was reused by another process: stale
         store = Store(tmp_path, "records.jsonl", lambda r: r["k"])
@@ -96,6 +108,108 @@ def test_a_killed_writers_claim_is_taken_over(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_start_time_is_the_process_start_in_clock_ticks_since_boot():
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    t0 = time.time()
+    try:
+        got = _start_time(live.pid)
+        assert got == _proc_start(live.pid)
+        with open("/proc/stat") as f:
+            btime = next(int(l.split()[1]) for l in f if l.startswith("btime "))
+        started = btime + int(got) / os.sysconf("SC_CLK_TCK")  # wall-clock start of the child
+        assert abs(started - t0) < 5  # btime is whole seconds; the child started just now
+    finally:
+        live.kill()
+        live.wait()
+    assert _start_time(live.pid) is None  # reaped: no such process
+
+
+def test_tail_returns_an_unterminated_record_once_its_newline_arrives(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b'{"cell": 1}\n{"cell": 2}')  # the second write is still going on (or lost its newline)
+    tail = Tail(path)
+    assert tail.poll() == [{"cell": 1}]
+    assert tail.poll() == []  # complete JSON, but no newline yet: not a record for an incremental reader
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    assert tail.poll() == [{"cell": 2}]  # now it is, once
+    assert tail.poll() == []
+
+
+def test_an_unreadable_claim_has_a_60_second_grace(tmp_path, monkeypatch):
+    """A claim file that does not parse is one being written (or of a claimant killed right after creating it):
+    honoured for 60 s after its last change, then taken over."""
+    d = tmp_path / CLAIMS
+    d.mkdir()
+    path = d / _claim_name("a")
+    path.write_bytes(b"")  # created, not yet written
+    t0 = 1_700_000_000.0
+    os.utime(path, (t0, t0))
+    now = {"t": t0 + 59.0}
+    monkeypatch.setattr(store_mod, "time", type("Clock", (), {"time": staticmethod(lambda: now["t"])}))
+    store = Store(tmp_path, "records.jsonl", lambda r: r["k"])
+    assert store.claim(["a"]) == [] and path.read_bytes() == b""
+    now["t"] = t0 + 61.0
+    assert store.claim(["a"]) == ["a"]
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    store.close()
+
+
+def test_a_same_pid_leftover_claim_is_taken_but_not_a_live_store_s(tmp_path):
+    _claim_file(tmp_path, "a", os.getpid(), start=_proc_start(os.getpid()))  # an earlier run in this process
+    first = Store(tmp_path, "records.jsonl", lambda r: r["k"])
+    assert first.claim(["a", "b"]) == ["a", "b"]
+    second = Store(tmp_path, "records.jsonl", lambda r: r["k"])  # same pid, another Store: first's are live
+    assert second.claim(["a", "b", "c"]) == ["c"]
+    first.close()
+    second.close()
+
+
+def test_a_zombie_holders_claim_is_taken_over(tmp_path):
+    """A writer killed but not yet reaped by its parent still has its pid (kill(pid, 0) succeeds): it is dead."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        start = _proc_start(child.pid)
+        deadline = time.time() + 20
+        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+            assert time.time() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # the pid still answers
+        _claim_file(tmp_path, "a", child.pid, start=start)
+        store = Store(tmp_path, "records.jsonl", lambda r: r["k"])
+        assert store.claim(["a"]) == ["a"]
+        store.close()
+    finally:
+        child.wait()
+
+
+def test_append_removes_the_claim_file_at_once(tmp_path):
+    store = Store(tmp_path, "records.jsonl", lambda r: r["k"])
+    assert store.claim(["a", "b"]) == ["a", "b"]
+    path = tmp_path / CLAIMS / _claim_name("a")
+    assert path.exists()
+    store.append([{"k": "a"}])
+    assert not path.exists() and "a" not in store.held  # before close: another process may look right now
+    assert (tmp_path / CLAIMS / _claim_name("b")).exists()
+    store.close()
+
+
+def test_claim_repairs_a_dead_writers_last_record_first(tmp_path):
+    """A record that lost only its newline (its writer died between the two) is a finished cell: claim repairs
+    the file under the lock, then reads it, so the cell is not done twice."""
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b'{"k": "a"}\n{"k": "b"}')
+    store = Store(tmp_path, "records.jsonl", lambda r: r["k"])
+    assert store.done == {"a"}  # a reader does not count an unterminated line
+    assert store.claim(["a", "b", "c"]) == ["c"]
+    assert path.read_bytes() == b'{"k": "a"}\n{"k": "b"}\n'
+    path.write_bytes(path.read_bytes() + b'{"k": "c", "x')  # a torn record: cut off, and its cell stays to do
+    other = Store(tmp_path, "records.jsonl", lambda r: r["k"], pattern="*.jsonl")
+    assert other.claim(["d"]) == ["d"] and path.read_bytes() == b'{"k": "a"}\n{"k": "b"}\n'
+    store.close()
+    other.close()
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal():
@@ -181,7 +295,7 @@ def test_retention_leaves_records_claimed_by_a_live_process(traces, tmp_path, ca
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         for pol, k in (("full", None), ("epikv", 64)):
-            _claim_file(out, ["t1", pol, k, "{}"], live.pid, start=_start_time(live.pid))
+            _claim_file(out, ["t1", pol, k, "{}"], live.pid, start=_proc_start(live.pid))
         assert main(_retention(traces, out)) == 0
         assert "2 being computed by another process" in capsys.readouterr().out
         assert {r["trace_id"] for r in read_records(out / "results.jsonl")} == {"t0"}

@@ -71,16 +71,23 @@ def run(args) -> int:
     live = not args.json
     tty = sys.stderr.isatty()
 
+    layers = layer_choice(lm.model, get_policy(args.policy, tau=args.tau, **settings))
+    announced = [not (layers and live)]
+
+    def announce():
+        # only once the run has passed every check: a refused run prints its one error line and nothing else
+        if not announced[0]:
+            print(f"[{args.policy} reads {layers}]", file=sys.stderr)
+            announced[0] = True
+
     def on_step(info):
+        announce()
         sys.stdout.write(info.new_text)
         sys.stdout.flush()
         if tty:
             sys.stderr.write(f"\x1b7\x1b[999;1H\x1b[2K{status_line(info)}\x1b8")
             sys.stderr.flush()
 
-    layers = layer_choice(lm.model, get_policy(args.policy, tau=args.tau, **settings))
-    if layers and live:
-        print(f"[{args.policy} reads {layers}]", file=sys.stderr)
     res = generate(lm.model, lm.tokenizer, prompt, policy=args.policy, budget=args.budget, tau=args.tau,
                    max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=chat,
                    system=args.system, prefill_chunk=args.prefill_chunk, on_step=on_step if live else None,
@@ -100,6 +107,7 @@ def run(args) -> int:
     else:
         if tty:
             sys.stderr.write("\x1b7\x1b[999;1H\x1b[2K\x1b8")
+        announce()  # a run with no new token still names its blocks
         print()
         print(f"[{summary['policy']} K={summary['budget']} tau={summary['tau']}] prompt {summary['prompt_tokens']} "
               f"+ new {summary['new_tokens']} tokens ({summary['finish_reason']}); cache max "

@@ -209,7 +209,8 @@ def select_keep(priority: torch.Tensor, view: CacheView) -> torch.Tensor:
 
     Layout of a stored row: [padding][protected prefix][evictable middle][recent window]. Padding goes first
     (kept only when a row has fewer real tokens than the budget), protected and recent tokens always stay, the
-    middle competes by priority. priority: [batch, length] or [batch, layers, heads, length].
+    middle competes by priority; equal priorities go to the newer slot. priority: [batch, length] or
+    [batch, layers, heads, length].
     """
     n = view.length
     idx = torch.arange(n, device=priority.device)
@@ -220,5 +221,8 @@ def select_keep(priority: torch.Tensor, view: CacheView) -> torch.Tensor:
     protected = (~is_pad) & ((idx < n_pad + n_prot) | (idx >= n - view.recent))
     pr = torch.nan_to_num(priority.float(), nan=-3e38)  # a NaN score must never win a slot
     pr = pr.masked_fill(protected, float("inf")).masked_fill(is_pad, float("-inf"))
-    keep = pr.topk(view.budget, dim=-1, sorted=False).indices
+    # a stable sort, not topk: among equal priorities the newer slot wins (the newest padding first, as a prefix
+    # of the real tokens), so a row keeps the same set whatever its batch mates (topk breaks ties differently by
+    # batch shape; decode-only windows give every prompt token 0)
+    keep = (n - 1) - pr.flip(-1).argsort(dim=-1, descending=True, stable=True)[..., : view.budget]
     return keep.sort(dim=-1).values

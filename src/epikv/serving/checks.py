@@ -1,0 +1,307 @@
+"""What serving with eviction needs from transformers' continuous batching, checked before anything runs.
+
+Every refusal is an EpiKVError with a one-line message. `check_serving` is cheap (no cache is built); the probe that
+exercises the paged cache's block bookkeeping runs when the scheduler is created (`probe_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EpiKVError
+
+MIN_PAGES = 4  # a budget must hold at least this many pages (prompt, recency, newest page and one to evict)
+
+
+class ServingUnsupported(EpiKVError):
+    """This transformers version lacks (or changed) a continuous-batching internal epikv.serving relies on.
+    `missing` names it."""
+
+    def __init__(self, missing: str, why: str = "") -> None:
+        self.missing = missing
+        super().__init__(f"transformers' continuous batching here lacks {missing}{': ' + why if why else ''}; "
+                         "serving with eviction needs transformers >= 5.17 with those internals (tested on 5.25)")
+
+
+@dataclass
+class ServeSpec:
+    """What `start_manager` serves: a policy at page granularity inside transformers' continuous batching.
+
+    policy: a registered policy name ("full" = no eviction); settings: its settings (as `--set`); budget: K tokens
+    kept per request; page: tokens per page, both the policy's page and the paged cache's `page_size`; num_blocks: the
+    paged cache's size in pages (required: never the default that sizes it from free memory); max_batch_tokens:
+    tokens per forward (a prompt longer than this is prefilled in chunks); recency / tau: the policy's `recent` and
+    `tau` (None = the policy's defaults, as in `epikv generate`); cb: other ContinuousBatchingConfig settings."""
+
+    policy: str = "epikv"
+    settings: dict = field(default_factory=dict)
+    budget: int | None = 512
+    page: int = 16
+    num_blocks: int | None = None
+    max_batch_tokens: int = 256
+    recency: int | None = None
+    tau: int | None = None
+    cb: dict = field(default_factory=dict)
+
+
+def _positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise EpiKVError(f"{name} must be a positive integer, got {v!r}")
+
+
+def build_policy(spec: ServeSpec):
+    """The policy instance the scheduler runs (page = spec.page), refusing those that cannot run in a paged engine
+    from hidden states or keys / values alone."""
+    from ..policies import Policy, get_policy
+
+    settings = dict(spec.settings or {})
+    for k, v in (("recent", spec.recency), ("tau", spec.tau)):
+        if v is not None:
+            if k in settings and settings[k] != v:
+                raise EpiKVError(f"{k} is given twice ({settings[k]!r} in the settings, {v!r} in the spec)")
+            settings[k] = v
+    if "page" in settings and settings["page"] != spec.page:
+        raise EpiKVError(f"{spec.policy}: page={settings['page']} differs from the paged cache's page size "
+                         f"{spec.page}: the policy must evict exactly the engine's pages")
+    settings.pop("page", None)
+    if spec.policy == "full":
+        return get_policy("full", **settings)
+    pol = get_policy(spec.policy, **settings)
+    why = None
+    probe = pol.observes(32)
+    if not pol.evicts:
+        return pol
+    if probe.attention_layers:
+        why = "needs attention weights, which paged attention kernels never produce"
+    elif probe.queries:
+        why = "reads recomputed query states, which the serving hooks do not capture"
+    elif not pol.attention_free:
+        why = "is not attention-free"
+    elif pol.granularity != "token":
+        why = f"keeps a different token set per {pol.granularity}, which a paged engine cannot free page by page"
+    elif type(pol).keep is not Policy.keep:  # its own keep rule (e.g. epikv-seg's caps)
+        why = "has its own keep rule, not the page rule"
+    elif pol.uncompressed_layers(32):
+        why = "leaves some layers uncompressed, which one page table per request cannot express"
+    if why:
+        raise EpiKVError(f"policy {pol.name} cannot serve with eviction: it {why} (served policies read hidden "
+                         "states or keys/values at token granularity: epikv, epikv-raw, streaming, random, kv-key, "
+                         "lag-kv, ...)")
+    try:
+        return dataclasses.replace(pol, page=spec.page)
+    except EpiKVError as e:
+        raise EpiKVError(str(e)) from None
+
+
+def check_spec(spec: ServeSpec, cb_fields: set | None = None) -> Any:
+    if not isinstance(spec, ServeSpec):
+        raise EpiKVError(f"expected a ServeSpec, got {type(spec).__name__}")
+    _positive_int("page", spec.page)
+    if spec.page < 4:
+        raise EpiKVError(f"page must be at least 4 tokens (transformers' minimum page_size), got {spec.page}")
+    if spec.num_blocks is None:
+        raise EpiKVError("num_blocks is required: without it transformers sizes the paged cache at 90% of free "
+                         "memory and zero-fills it")
+    _positive_int("num_blocks", spec.num_blocks)
+    _positive_int("max_batch_tokens", spec.max_batch_tokens)
+    pol = build_policy(spec)
+    if pol.evicts:
+        _positive_int("budget", spec.budget)
+        if spec.budget < MIN_PAGES * spec.page:
+            raise EpiKVError(f"budget {spec.budget} is under {MIN_PAGES} pages of {spec.page}: page eviction needs "
+                             f"room for the prompt, the recency window, the newest page and one to drop; raise it "
+                             f"to at least {MIN_PAGES * spec.page}")
+    bad = {"allow_block_sharing": "block sharing / prefix caching hashes tokens by page index, wrong once pages are "
+                                  "evicted (false prefix hits)",
+           "use_async_batching": "async batching schedules one batch ahead, so evictions and positions would be one "
+                                 "step late",
+           "use_cuda_graph": "CUDA graphs replay captured kernels, so the Python hooks that score and correct "
+                             "positions would run only at capture"}
+    fixed = {"page_size", "block_size", "num_blocks", "max_batch_tokens", "scheduler_type"}
+    if not isinstance(spec.cb or {}, dict):
+        raise EpiKVError(f"cb must be a dict of ContinuousBatchingConfig settings, got {type(spec.cb).__name__}")
+    for k, v in (spec.cb or {}).items():
+        if cb_fields is not None and k not in cb_fields:
+            raise EpiKVError(f"ContinuousBatchingConfig has no setting {k!r}")
+        if k in fixed:
+            raise EpiKVError(f"cb setting {k} is set by the spec (page, num_blocks, max_batch_tokens) or by epikv "
+                             "(scheduler_type): give it there")
+        if k in bad and v not in (False, None, (False, False)):
+            raise EpiKVError(f"{k}={v!r} is refused with eviction: {bad[k]}")
+        if k in ("varlen_compile_config", "decode_compile_config") and v is not None or (
+                k == "default_compile_level" and v):
+            raise EpiKVError(f"{k}={v!r} is refused with eviction: a compiled forward would not run the hooks")
+    return pol
+
+
+def _need(obj, name: str, label: str):
+    if not hasattr(obj, name):
+        raise ServingUnsupported(f"{label}.{name}")
+    return getattr(obj, name)
+
+
+def _params(fn, label: str, names: tuple[str, ...]) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise ServingUnsupported(label, "signature unreadable") from None
+    for n in names:
+        if n not in params:
+            raise ServingUnsupported(f"{label}({n}=...)")
+
+
+def cb_config_fields(cls) -> set:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls).parameters)
+
+
+def check_internals():
+    """The transformers internals the scheduler touches, present with the signatures it calls. Returns the
+    modules (scheduler module, requests module, ContinuousBatchingConfig)."""
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError:
+            raise ServingUnsupported("ContinuousBatchingConfig") from None
+    try:
+        from transformers.generation.continuous_batching import scheduler as sched_mod
+        from transformers.generation.continuous_batching import requests as req_mod
+        from transformers.generation.continuous_batching import cache as cache_mod
+    except ImportError as e:
+        raise ServingUnsupported("transformers.generation.continuous_batching", type(e).__name__) from None
+    fields = cb_config_fields(ContinuousBatchingConfig)
+    for f in ("page_size", "num_blocks", "max_batch_tokens", "allow_block_sharing", "use_async_batching",
+              "use_cuda_graph", "scheduler_type"):
+        if f not in fields:
+            raise ServingUnsupported(f"ContinuousBatchingConfig.{f}")
+    mapping = _need(sched_mod, "SCHEDULER_MAPPING", "scheduler")
+    if not isinstance(mapping, dict):
+        raise ServingUnsupported("scheduler.SCHEDULER_MAPPING", "not a dict")
+    fifo = _need(sched_mod, "FIFOScheduler", "scheduler")
+    _params(fifo.schedule_batch, "FIFOScheduler.schedule_batch", ("token_budget", "cache_budget"))
+    _params(fifo.__init__, "FIFOScheduler.__init__", ("cache", "safety_margin", "max_requests_per_batch"))
+    for m in ("finish_request", "clear_cancelled_requests", "reset", "add_waiting_request"):
+        _need(fifo, m, "Scheduler")
+    state_cls = _need(req_mod, "RequestState", "requests")
+    sfields = {f.name for f in dataclasses.fields(state_cls)} if dataclasses.is_dataclass(state_cls) else set()
+    # (_true_initial_tokens and is_cpu_offloaded, of soft resets and CPU offloading, are read only where present)
+    for f in ("request_id", "initial_tokens", "position_offset", "generated_tokens"):
+        if f not in sfields:
+            raise ServingUnsupported(f"RequestState.{f}")
+    status = _need(req_mod, "RequestStatus", "requests")
+    for st in ("PENDING", "PREFILLING", "DECODING", "FINISHED"):
+        _need(status, st, "RequestStatus")
+    try:
+        from transformers.generation.continuous_batching import continuous_api as api_mod
+    except ImportError:
+        raise ServingUnsupported("continuous_batching.continuous_api") from None
+    mgr = _need(api_mod, "ContinuousBatchingManager", "continuous_api")
+    for m in ("start", "stop", "is_running", "add_request", "get_result", "cancel_request"):
+        _need(mgr, m, "ContinuousBatchingManager")
+    if not (hasattr(mgr, "warmup") or hasattr(mgr, "_create_batch_processor")):
+        raise ServingUnsupported("ContinuousBatchingManager.warmup")
+    fs = _need(req_mod, "FutureRequestState", "requests")
+    _params(fs.__init__, "FutureRequestState.__init__", ("state", "has_new_token", "query_length"))
+    pac = _need(cache_mod, "PagedAttentionCache", "cache")
+    for m in ("free_blocks", "cache_allocators"):
+        if m != "cache_allocators":
+            _need(pac, m, "PagedAttentionCache")
+    try:
+        from transformers.generation.continuous_batching.cache_allocators import cache_allocator as ca_mod
+        from transformers.generation.continuous_batching.cache_allocators import full_attention as fa_mod
+    except ImportError:
+        raise ServingUnsupported("cache_allocators.full_attention") from None
+    ledger = _need(ca_mod, "BlockLedger", "cache_allocator")
+    _params(ledger.release, "BlockLedger.release", ("block_id", "no_cache"))
+    fa = _need(fa_mod, "FullAttentionCacheAllocator", "full_attention")
+    _params(fa.get_read_indices, "FullAttentionCacheAllocator.get_read_indices",
+            ("request_id", "past_length", "query_length"))
+    _params(fa.get_write_indices, "FullAttentionCacheAllocator.get_write_indices",
+            ("request_id", "past_length", "query_length"))
+    _params(fa.allocate_cache_to_request, "FullAttentionCacheAllocator.allocate_cache_to_request",
+            ("request_id", "past_length", "query_length"))
+    return sched_mod, req_mod, ContinuousBatchingConfig
+
+
+def check_model(model, pol) -> None:
+    from ..cache import attention_layout, decoder_layers
+    from ..signals import check_layers, model_depth
+
+    layers = decoder_layers(model)
+    depth = model_depth(model.config, len(layers))
+    sliding, _ = attention_layout(model, depth)
+    if sliding:
+        raise EpiKVError("models with sliding-window layers are not served with eviction (their paged cache is a "
+                         "separate allocator that keeps a window): only all-full-attention models")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "kv_lora_rank", None) is not None:
+        raise EpiKVError("MLA models (compressed latents) are not served with eviction")
+    obs = pol.observes(depth)
+    check_layers(obs.hidden_layers, depth)
+
+
+def check_serving(model, spec: ServeSpec):
+    """Raise an EpiKVError (one line) for every setting that serving with eviction cannot honour. Cheap: builds no
+    cache. Returns the policy instance."""
+    _, _, cb_cls = check_internals()
+    pol = check_spec(spec, cb_config_fields(cb_cls))
+    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        raise EpiKVError("this model holds a cached continuous batching manager (stop(keep_for_next_session=True)): "
+                         "destroy it first (model.destroy_cached_continuous_batching_manager())")
+    check_model(model, pol)
+    return pol
+
+
+def probe_cache(cache, page: int) -> Any:
+    """Exercise, on the real paged cache and before any request, every block operation eviction uses: allocate
+    two pages for a probe request, drop the first one the way eviction does, check the free count and the write
+    slot, free the rest. Returns the full-attention allocator."""
+    from .evictor import drop_blocks
+
+    allocs = getattr(cache, "cache_allocators", None)
+    if not isinstance(allocs, dict) or list(allocs) != ["full_attention"]:
+        raise ServingUnsupported("PagedAttentionCache.cache_allocators == {'full_attention': ...}",
+                                 f"found {list(allocs) if isinstance(allocs, dict) else type(allocs).__name__}")
+    alloc = allocs["full_attention"]
+    for a in ("block_table", "ledger", "pool", "index", "tokens_per_page", "block_physical_stride", "blocks_per_sector",
+              "_kv_token_views"):
+        _need(alloc, a, "FullAttentionCacheAllocator")
+    pool = _need(cache, "pool", "PagedAttentionCache")
+    for m in ("free_blocks", "try_to_free_sectors", "count_free_blocks", "allocate_sector", "num_free_sectors"):
+        _need(pool, m, "CachePool")
+    if alloc.tokens_per_page != page:
+        raise ServingUnsupported("page_size", f"the cache has pages of {alloc.tokens_per_page}, the spec {page}")
+    rid = "__epikv_probe__"
+    try:
+        while pool.count_free_blocks(alloc.index) < 2:
+            if pool.num_free_sectors < 1:
+                raise EpiKVError("num_blocks is too small: the paged cache cannot hold 2 pages")
+            pool.allocate_sector(alloc.index)
+        free = lambda: pool.count_free_blocks(alloc.index) + pool.num_free_sectors * alloc.blocks_per_sector  # noqa
+        free0 = free()
+        alloc.allocate_cache_to_request(rid, 0, 2 * page)
+        table = list(alloc.block_table[rid])
+        if len(table) != 2 or free() != free0 - 2:
+            raise ServingUnsupported("allocate_cache_to_request", "did not take 2 pages for 2 pages of tokens")
+        w = alloc.get_write_indices(rid, page, 1)
+        if list(w) != [table[1] * alloc.block_physical_stride]:
+            raise ServingUnsupported("get_write_indices", "slot of a token no longer follows past_length")
+        drop_blocks(cache, alloc, rid, [0])
+        if alloc.block_table[rid] != table[1:] or free() != free0 - 1:
+            raise ServingUnsupported("block_table / ledger.release / pool.free_blocks", "dropping a page did not "
+                                     "return it to the pool")
+        if list(alloc.get_write_indices(rid, 0, 1)) != [table[1] * alloc.block_physical_stride]:
+            raise ServingUnsupported("get_write_indices", "slots do not follow the block table after a drop")
+        k, v = alloc._kv_token_views[alloc.layer_indices[0]]
+        if k.dim() != 3:
+            raise ServingUnsupported("_kv_token_views", "not [tokens, kv_heads, head_dim] views")
+    finally:
+        cache.free_blocks(rid)
+        pool.try_to_free_sectors()
+    return alloc

@@ -1,0 +1,146 @@
+"""One request's eviction state inside the paged cache, fed the way EpiKVCache feeds a policy (batch of one).
+
+The policy code is the library's own: `on_tokens` scores the new tokens from a StepObservation, `keep` (with
+`page=B`, i.e. `policies.pages.page_keep`) picks whole pages. Here only the bookkeeping differs: the stored tokens
+live in the request's pages of transformers' paged cache, so dropping a page is taking its id out of the request's
+block table and giving it back to the pool.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..errors import EpiKVError
+from ..policies import CacheView, Policy, StepObservation
+
+
+def drop_blocks(cache, alloc, request_id: str, page_indices: list[int]) -> int:
+    """Take the pages at these positions of the request's block table out of it and return them to the pool (as
+    the allocator's own free_blocks does for a whole request). Returns how many blocks went back."""
+    table = alloc.block_table[request_id]
+    drop = set(page_indices)
+    gone = [b for i, b in enumerate(table) if i in drop]
+    table[:] = [b for i, b in enumerate(table) if i not in drop]  # in place: the allocator holds this list
+    freed = [b for b in gone if alloc.ledger.release(b, no_cache=True)]
+    alloc.pool.free_blocks(alloc.index, freed)
+    cache.pool.try_to_free_sectors()
+    return len(freed)
+
+
+def _kv_rows(alloc, request_id: str, start: int, stop: int, layers) -> tuple[list, list]:
+    """The request's stored keys and values of slots start..stop-1, per layer [1, kv_heads, n, head_dim]."""
+    idx = alloc.get_read_indices(request_id, 0, stop)[start:]
+    k_views = [alloc._kv_token_views[l] for l in layers]
+    ix = torch.tensor(idx, dtype=torch.long, device=k_views[0][0].device)
+    keys = [kv[0].index_select(0, ix).permute(1, 0, 2).unsqueeze(0) for kv in k_views]
+    values = [kv[1].index_select(0, ix).permute(1, 0, 2).unsqueeze(0) for kv in k_views]
+    return keys, values
+
+
+class Track:
+    """Per-request policy state: created on admission, deep-copied on a fork, dropped at the end."""
+
+    def __init__(self, policy: Policy, n_layers: int, device, prompt_len: int, budget: int | None,
+                 recent: int) -> None:
+        self.state: Any = policy.init_state(1, n_layers, device) if policy.evicts else None
+        self.token_data: dict[str, torch.Tensor] = {}
+        prot = prompt_len if policy.protect_prompt else min(policy.n_sink, prompt_len)
+        self.device = device
+        self.n_prompt = torch.tensor([prompt_len], device=device)
+        self.n_protect = torch.tensor([prot], device=device)
+        self.n_pad = torch.zeros(1, dtype=torch.long, device=device)
+        self.prefix = self.len_after_evict = prot  # host ints for should_evict, as EpiKVCache.begin sets them
+        self.evicted = 0  # tokens dropped so far: true position = stored slot + evicted
+        self.evictions = 0
+        self.scored = 0  # stored tokens the policy has seen (token_data length)
+
+    def fork(self) -> "Track":
+        return copy.deepcopy(self)
+
+    # -- after a forward -------------------------------------------------------------------------------------------
+    def observe(self, policy: Policy, hidden: dict[int, torch.Tensor], n_old: int, t: int, kv: "KVReader") -> None:
+        """The forward just stored t new tokens after n_old: score them (policy.on_tokens), as
+        EpiKVCache._after_forward does for one row."""
+        if n_old != self.scored:
+            raise EpiKVError(f"serving: request holds {n_old} stored tokens but its policy state has scored "
+                             f"{self.scored} (a cache change the scheduler did not see)")
+        dev = self.device
+        valid = torch.ones(1, t, dtype=torch.bool, device=dev)
+        pos = torch.arange(n_old + self.evicted, n_old + self.evicted + t, device=dev)[None]  # true positions
+        keys, values = kv.step(n_old, t)
+        obs = StepObservation(hidden=hidden, attentions={}, valid=valid, positions=pos, stored=self.token_data,
+                              n_protect=self.n_protect, in_prompt=valid & (pos < self.n_prompt[:, None]),
+                              kv_heads=kv.kv_heads, keys=keys, values=values)
+        new = policy.on_tokens(self.state, obs) if policy.evicts else {}
+        new["pos"] = pos
+        for key, x in new.items():
+            x = x.to(dev)
+            if key in self.token_data and x.shape[-1] != n_old + t:  # new tokens only: append
+                x = torch.cat([self.token_data[key], x], dim=-1)
+            self.token_data[key] = x
+        self.scored = n_old + t
+
+    # -- between steps ---------------------------------------------------------------------------------------------
+    def due(self, policy: Policy, n: int, budget: int) -> bool:
+        return policy.evicts and policy.should_evict(n, budget, n - self.len_after_evict, n - self.prefix)
+
+    def evict(self, policy: Policy, cache, alloc, state, budget: int, recent: int, kv: "KVReader") -> int:
+        """Drop the pages policy.keep leaves out; returns the blocks given back. `state` is transformers'
+        RequestState, whose position_offset (the stored count, which slots, writes and admission follow) is lowered
+        by the tokens dropped."""
+        n = state.position_offset
+        if n != self.scored:
+            raise EpiKVError(f"serving: request {state.request_id} stores {n} tokens but {self.scored} were scored")
+        page = policy.page
+        keys, values = kv.all(n) if kv.needs_all else ([], [])
+        view = CacheView(length=n, budget=budget, token_data=self.token_data, n_pad=self.n_pad,
+                         n_protect=self.n_protect, recent=recent, keys=keys, values=values, device=self.device)
+        keep = policy.keep(self.state, view)  # [1, m] whole pages (page_keep), the newest last
+        m = keep.shape[-1]
+        if m >= n:
+            return 0
+        n_pages = -(-n // page)
+        kept = sorted(set((keep[0] // page).tolist()))
+        last = n - (n_pages - 1) * page
+        table = alloc.block_table.get(state.request_id, [])
+        if len(table) != n_pages or kept[-1] != n_pages - 1 or m != (len(kept) - 1) * page + last:
+            raise EpiKVError(f"serving: the keep set of request {state.request_id} is not whole pages of its "
+                             f"{len(table)}-page table ({n} tokens, {m} kept)")
+        kept_set = set(kept)
+        freed = drop_blocks(cache, alloc, state.request_id, [p for p in range(n_pages) if p not in kept_set])
+        state.position_offset = m
+        for key, x in self.token_data.items():
+            idx = keep
+            while idx.dim() < x.dim():
+                idx = idx.unsqueeze(1)
+            self.token_data[key] = x.gather(-1, idx.to(x.device).expand(*x.shape[:-1], m))
+        self.evicted += n - m
+        self.evictions += 1
+        self.scored = self.len_after_evict = m
+        return freed
+
+
+class KVReader:
+    """What a policy reads of one request's keys / values in the paged cache (Observes.keys_values: every stored
+    slot; arriving_kv: the new ones), as per-layer [1, kv_heads, n, head_dim] tensors."""
+
+    def __init__(self, alloc, request_id: str, layers, obs, policy: Policy) -> None:
+        self.alloc, self.rid, self.layers = alloc, request_id, layers
+        self.needs_all = bool(obs.keys_values)
+        self.arriving = bool(obs.arriving_kv) and not self.needs_all
+        # full keys at on_tokens only for a policy that scores on arrival (lag-kv reads them at eviction only)
+        self.all_on_step = self.needs_all and type(policy).on_tokens is not Policy.on_tokens
+        self.kv_heads = getattr(alloc, "num_key_value_heads", 0)
+
+    def step(self, n_old: int, t: int) -> tuple[list, list]:
+        if self.all_on_step:
+            return _kv_rows(self.alloc, self.rid, 0, n_old + t, self.layers)
+        if self.arriving:
+            return _kv_rows(self.alloc, self.rid, n_old, n_old + t, self.layers)
+        return [], []
+
+    def all(self, n: int) -> tuple[list, list]:
+        return _kv_rows(self.alloc, self.rid, 0, n, self.layers)
