@@ -578,7 +578,7 @@ def test_seg_q_is_not_attention_free_and_keeps_flash(tiny):
 
 # -- KV-key / KV-val / Lag-KV-key ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("window_over", ["decode", "all"])
+@pytest.mark.parametrize("window_over", [None, "decode", "all"])  # None: the shipped default ("decode")
 @pytest.mark.parametrize("name", ["kv-key", "kv-val"])
 def test_kv_variance_rolling_mean_at_arrival(tiny, name, window_over):
     """The score is the rolling mean of the arriving key (value) variance over the last `window` tokens; by default
@@ -587,7 +587,8 @@ def test_kv_variance_rolling_mean_at_arrival(tiny, name, window_over):
 
     window = 4
     ids = torch.randint(0, 1000, (1, 14), generator=torch.Generator().manual_seed(6))
-    dec = Decoder(tiny.model, name, 1000, window=window, window_over=window_over)
+    over = {} if window_over is None else {"window_over": window_over}
+    dec = Decoder(tiny.model, name, 1000, window=window, **over)
     with torch.inference_mode():
         dec.prefill(ids[:, :6], [0])  # a chunk, then single tokens: the same as token by token
         for i in range(6, 14):
