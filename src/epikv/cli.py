@@ -10,7 +10,7 @@ import sys
 from .errors import EpiKVError
 
 # Subcommand modules, in the order `epikv --help` lists them.
-COMMANDS = ["generate", "policies", "trace", "eval", "report", "retention", "bench", "anatomy"]
+COMMANDS = ["generate", "policies", "trace", "eval", "report", "retention", "bench", "anatomy", "serve"]
 
 
 class Parser(argparse.ArgumentParser):
