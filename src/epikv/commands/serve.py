@@ -131,6 +131,7 @@ def _serve(args, spec, sock, evicts, check_serving, start_manager, serving_stats
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        sock.listen(2048)  # connections wait in the backlog from here on, so the line below means "ready"
         host, port = sock.getsockname()[:2]
         what = f"{spec.policy}" + (f" K={spec.budget}" if spec.budget else "")
         print(f"epikv serve: listening on http://{host}:{port} (model {args.model}, {what}, page {spec.page}, "
