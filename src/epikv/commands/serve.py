@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import signal
 import socket
 import sys
@@ -73,7 +73,12 @@ def _max_positions(model) -> int | None:
 
 
 def run(args) -> int:
-    missing = [m for m in _NEEDS if importlib.util.find_spec(m) is None]
+    missing = []
+    for m in _NEEDS:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            missing.append(m)
     if missing:
         raise EpiKVError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
                          "pip install 'epikv[serve]'")
@@ -90,21 +95,19 @@ def run(args) -> int:
     spec = ServeSpec(policy=args.policy, settings=settings, budget=args.budget if evicts else None, page=args.page,
                      num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, recency=args.recent,
                      tau=args.tau)
+    lm = load(args)
+    check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
     sock = _bind(args.host, args.port)
     try:
-        return _serve(args, spec, sock, evicts, check_serving, start_manager, serving_stats, eos_ids)
+        return _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids)
     finally:
         sock.close()
 
 
-def _serve(args, spec, sock, evicts, check_serving, start_manager, serving_stats, eos_ids) -> int:
-    import uvicorn
+def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) -> int:
     from transformers import GenerationConfig
 
     from ..serving.app import Server, build_app
-
-    lm = load(args)
-    check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before anything starts
     eos = eos_ids(lm.model, lm.tokenizer)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     gc = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos or -1, pad_token_id=pad)
@@ -121,6 +124,8 @@ def _serve(args, spec, sock, evicts, check_serving, start_manager, serving_stats
                               "num_blocks": spec.num_blocks, "max_batch_tokens": spec.max_batch_tokens,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})
         app = build_app(server)
+        import uvicorn
+
         cfg = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
                              timeout_graceful_shutdown=5, lifespan="off")
         userver = _QuietServer(cfg)
