@@ -163,6 +163,20 @@ def test_chat_matches_library_streamed_and_not(served, lib):
     assert parts[-1].choices[0].finish_reason == "length"
 
 
+def test_stop_string_cuts_the_answer(served, lib):
+    text = _texts(2)[1]
+    ids = lib([_prompt_ids(lib.tok, text)])[0]
+    full = lib.tok.decode(ids, skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 6]
+    want = full[:full.index(stop)]
+    r = served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    parts = list(served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stop=stop,
+                                                  stream=True))
+    assert "".join(p.choices[0].text for p in parts) == want and parts[-1].choices[0].finish_reason == "stop"
+    assert served.get("/stats")["http"]["in_flight"] == 0
+
+
 def test_sse_wire_format(served):
     raw = served.post_raw("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "stream": True})
     events = [e for e in raw.split("\n\n") if e.strip()]

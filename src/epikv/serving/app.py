@@ -131,11 +131,11 @@ class Server:
             c.completion_tokens += tokens
             setattr(c, how, getattr(c, how) + 1)
 
-    def cancel(self, rid: str) -> None:
+    def cancel(self, rid: str, how: str = "cancelled", tokens: int = 0) -> None:
         try:
             self.manager.cancel_request(rid)
         finally:
-            self.finish(rid, "cancelled")
+            self.finish(rid, how, tokens)
 
     def finish_reason(self, tokens: list[int], max_tokens: int) -> str:
         return "stop" if tokens and tokens[-1] in self.eos and len(tokens) <= max_tokens else "length"
@@ -466,8 +466,8 @@ async def _stream(server, rid, q, req, meta, chat, n_prompt):
             if det.stopped or done:
                 finish = "stop" if det.stopped else ("length" if req["ignore_eos"]
                                                       else server.finish_reason(tokens, req["max_tokens"]))
-                if det.stopped and not done:
-                    server.cancel(rid)
+                if det.stopped and not done:  # a stop string: the answer is complete, the engine stops it
+                    server.cancel(rid, "completed", len(tokens))
                 else:
                     server.finish(rid, "completed", len(tokens))
                 finished = True
