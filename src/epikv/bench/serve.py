@@ -111,11 +111,14 @@ def get_json(url: str, timeout: float = 10) -> dict:
 
 
 # ---------------------------------------------------------------------- load
-async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool) -> dict:
+async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, seen: dict) -> dict:
+    """One streamed chat request; `seen["tokens"]` follows the tokens received, so a request cut by the row's
+    timeout still counts what it streamed."""
     t0 = time.perf_counter()
     first = None
     ids: list[int] = []
     finish = None
+    seen["tokens"] = 0
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                   temperature=0, stream=True,
                                                   extra_body={"ignore_eos": True} if ignore_eos else None)
@@ -127,6 +130,7 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore
         if new and first is None:
             first = time.perf_counter() - t0
         ids.extend(new)
+        seen["tokens"] = len(ids)
         finish = c.finish_reason or finish
     return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": len(ids), "finish": finish}
 
@@ -139,11 +143,12 @@ async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrenc
     client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="epikv", max_retries=0, timeout=timeout)
     sem = asyncio.Semaphore(concurrency)
     records: list[dict | None] = [None] * len(prompts)
+    seen = [{"tokens": 0} for _ in prompts]
 
     async def worker(i: int, msgs: list[dict]):
         async with sem:
             try:
-                records[i] = await _one(client, model, msgs, max_tokens, ignore_eos)
+                records[i] = await _one(client, model, msgs, max_tokens, ignore_eos, seen[i])
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one failed request is a row entry, not the end of the run
@@ -158,13 +163,16 @@ async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrenc
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     wall = time.perf_counter() - t0
+    for i, r in enumerate(records):
+        if r is None:  # cut by the timeout (or never started): what it streamed
+            records[i] = {"unfinished": True, "tokens": seen[i]["tokens"]}
     await client.close()
     return {"records": records, "wall_s": wall, "timed_out": len(pending)}
 
 
 def summarize(row: Row, res: dict, stats: dict, requests: int, concurrency: int, max_tokens: int) -> dict:
     recs = res["records"]
-    ok = [r for r in recs if r and "error" not in r and r["tokens"] > 0]
+    ok = [r for r in recs if r and "error" not in r and not r.get("unfinished") and r["tokens"] > 0]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tokens = sum(r["tokens"] for r in recs if r and "error" not in r)
@@ -174,7 +182,9 @@ def summarize(row: Row, res: dict, stats: dict, requests: int, concurrency: int,
         "label": row.label, "policy": row.policy, "budget": row.budget, "sets": row.sets,
         "requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
         "completed": len(ok), "complete_length": sum(1 for r in ok if r["tokens"] == max_tokens),
-        "failed": sum(1 for r in recs if r and "error" in r), "unfinished": sum(1 for r in recs if r is None),
+        "failed": sum(1 for r in recs if r and "error" in r),
+        "unfinished": sum(1 for r in recs if r is None or r.get("unfinished")),
+        "unfinished_tokens": sum(r["tokens"] for r in recs if r and r.get("unfinished")),
         "errors": sorted({r["error"] for r in recs if r and "error" in r})[:3],
         "wall_s": rnd(res["wall_s"], 1), "generated_tokens": tokens,
         "tokens_per_s": rnd(tokens / res["wall_s"] if res["wall_s"] else None, 2),
