@@ -292,3 +292,17 @@ def test_bench_serve_end_to_end(tmp_path):
               "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
               "--max-prompt-tokens", "60", "--timeout", "120", "--out", str(out), timeout=200)
     assert r2.returncode == 0 and r2.stderr.count("reusing the finished row") == 2, r2.stderr
+
+
+def test_bench_summary_counts_cut_requests():
+    from epikv.bench.serve import Row, percentile, summarize
+
+    recs = [{"latency_s": 2.0, "ttft_s": 0.5, "tokens": 8, "finish": "length"},
+            {"latency_s": 4.0, "ttft_s": 0.7, "tokens": 8, "finish": "length"},
+            {"unfinished": True, "tokens": 3}, {"error": "APIError: boom"}]
+    stats = {"engine": {"max_in_flight": 2, "steps": 10, "peak_pages": 5}, "http": {"max_in_flight": 3}}
+    s = summarize(Row("epikv", 64), {"records": recs, "wall_s": 2.0, "timed_out": 1}, stats, 4, 4, 8)
+    assert (s["completed"], s["unfinished"], s["failed"]) == (2, 1, 1)
+    assert s["generated_tokens"] == 19 and s["tokens_per_s"] == 9.5  # the cut request's 3 tokens count
+    assert s["latency_p50_s"] == 3.0 and s["ms_per_step"] == 200.0 and s["label"] == "epikv K=64"
+    assert percentile([1, 2, 3, 4], 0.95) == pytest.approx(3.85) and percentile([], 0.5) is None
