@@ -74,6 +74,10 @@ class Server:
         self.stats_fn = stats
         self.info = dict(info or {})
         self.counters = Counters()
+        # per-request EOS (what ignore_eos needs) is an add_request argument only in some transformers versions
+        import inspect
+
+        self.per_request_eos = "eos_token_id" in inspect.signature(manager.add_request).parameters
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -225,6 +229,9 @@ def parse_request(server: Server, body, chat: bool) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
+    if ignore_eos and not server.per_request_eos:
+        raise BadRequest("ignore_eos needs a transformers whose continuous batching takes a per-request EOS",
+                         "ignore_eos")
     for name in ("logprobs", "top_logprobs", "echo", "suffix"):
         if body.get(name) not in (None, False, 0):
             raise BadRequest(f"{name} is not supported by this server", name)
