@@ -44,13 +44,15 @@ def _replay(lm, policy, lengths=LENGTHS, budget=96, page=8, recency=16, new=NEW,
     return prompts, outs, refs, stats
 
 
-@pytest.mark.parametrize("policy, tau", [("epikv", None), ("streaming", None), ("kv-key", None), ("epikv", 5)])
+@pytest.mark.parametrize("policy, tau", [("epikv", None), ("streaming", None), ("kv-key", None), ("lag-kv", None),
+                                         ("random", None), ("epikv", 5)])
 def test_replay_equivalence(tiny, policy, tau):
     """Every request's tokens under continuous batching with page eviction equal the library's batch-1 run of the
     same policy at page granularity (greedy): same evictions at the same steps (tau), same tokens."""
     prompts, outs, refs, stats = _replay(tiny, policy, tau=tau)
     assert stats["preemptions"] == 0  # the cache holds every request: nothing re-prefilled
     assert stats["max_batch"] >= 6  # >= 6 requests in one forward
+    assert stats["chunked_prefills"] >= 3  # prompts over max_batch_tokens=32 prefilled in chunks
     for p, o, r in zip(prompts, outs, refs):
         assert len(o) == len(r.token_ids[0])
         assert o == r.token_ids[0], f"prompt of {len(p)} tokens diverges"
@@ -99,6 +101,11 @@ def test_pages_really_return(tiny):
     assert epi["in_flight_mean"] > 1.5 * full["in_flight_mean"]
     assert epi["steps"] < full["steps"]
     assert full["pages_freed"] == 0 and full["evictions"] == 0
+    # a cache too small even for epikv: requests are soft reset (re-prefilled from prompt + tokens so far, their
+    # score state started over) and still all complete
+    tight_out, tight = run_batch(tiny.model, ServeSpec(policy="epikv", budget=64, recency=16,
+                                                       **{**common, "num_blocks": 40}), prompts, 200)
+    assert tight["soft_resets"] > 0 and all(len(o) == 200 for o in tight_out)
     # one request alone: its pages never exceed budget + the page being written (+ the one tau fills)
     _, one = run_batch(tiny.model, ServeSpec(policy="epikv", budget=64, recency=16, **common), prompts[:1], 120)
     assert one["peak_pages"] <= 64 // 8 + 1
@@ -225,6 +232,7 @@ BASE = dict(policy="epikv", budget=64, page=8, num_blocks=32, max_batch_tokens=3
     (dict(policy="epikv-seg"), "epikv-seg cannot serve"),
     (dict(policy="nope"), "unknown policy"),
     (dict(settings={"recent": 8}, recency=16), "given twice"),
+    (dict(cb={"no_such_setting": 1}), "no setting 'no_such_setting'"),
 ])
 def test_refusals_one_line(tiny, change, words):
     spec = ServeSpec(**{**BASE, **change})

@@ -74,10 +74,12 @@ def build_policy(spec: ServeSpec):
     probe = pol.observes(32)
     if not pol.evicts:
         return pol
-    if probe.attention_layers or not pol.attention_free:
+    if probe.attention_layers:
         why = "needs attention weights, which paged attention kernels never produce"
     elif probe.queries:
         why = "reads recomputed query states, which the serving hooks do not capture"
+    elif not pol.attention_free:
+        why = "is not attention-free"
     elif pol.granularity != "token":
         why = f"keeps a different token set per {pol.granularity}, which a paged engine cannot free page by page"
     elif type(pol).keep is not Policy.keep:  # its own keep rule (e.g. epikv-seg's caps)
@@ -94,7 +96,7 @@ def build_policy(spec: ServeSpec):
         raise EpiKVError(str(e)) from None
 
 
-def check_spec(spec: ServeSpec) -> Any:
+def check_spec(spec: ServeSpec, cb_fields: set | None = None) -> Any:
     if not isinstance(spec, ServeSpec):
         raise EpiKVError(f"expected a ServeSpec, got {type(spec).__name__}")
     _positive_int("page", spec.page)
@@ -119,7 +121,11 @@ def check_spec(spec: ServeSpec) -> Any:
            "use_cuda_graph": "CUDA graphs replay captured kernels, so the Python hooks that score and correct "
                              "positions would run only at capture"}
     fixed = {"page_size", "block_size", "num_blocks", "max_batch_tokens", "scheduler_type"}
+    if not isinstance(spec.cb or {}, dict):
+        raise EpiKVError(f"cb must be a dict of ContinuousBatchingConfig settings, got {type(spec.cb).__name__}")
     for k, v in (spec.cb or {}).items():
+        if cb_fields is not None and k not in cb_fields:
+            raise EpiKVError(f"ContinuousBatchingConfig has no setting {k!r}")
         if k in fixed:
             raise EpiKVError(f"cb setting {k} is set by the spec (page, num_blocks, max_batch_tokens) or by epikv "
                              "(scheduler_type): give it there")
@@ -147,6 +153,12 @@ def _params(fn, label: str, names: tuple[str, ...]) -> None:
             raise ServingUnsupported(f"{label}({n}=...)")
 
 
+def cb_config_fields(cls) -> set:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls).parameters)
+
+
 def check_internals():
     """The transformers internals the scheduler touches, present with the signatures it calls. Returns the
     modules (scheduler module, requests module, ContinuousBatchingConfig)."""
@@ -163,8 +175,7 @@ def check_internals():
         from transformers.generation.continuous_batching import cache as cache_mod
     except ImportError as e:
         raise ServingUnsupported("transformers.generation.continuous_batching", type(e).__name__) from None
-    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} if dataclasses.is_dataclass(
-        ContinuousBatchingConfig) else set(inspect.signature(ContinuousBatchingConfig).parameters)
+    fields = cb_config_fields(ContinuousBatchingConfig)
     for f in ("page_size", "num_blocks", "max_batch_tokens", "allow_block_sharing", "use_async_batching",
               "use_cuda_graph", "scheduler_type"):
         if f not in fields:
@@ -179,10 +190,24 @@ def check_internals():
         _need(fifo, m, "Scheduler")
     state_cls = _need(req_mod, "RequestState", "requests")
     sfields = {f.name for f in dataclasses.fields(state_cls)} if dataclasses.is_dataclass(state_cls) else set()
-    for f in ("request_id", "initial_tokens", "position_offset", "generated_tokens", "_true_initial_tokens"):
+    # (_true_initial_tokens and is_cpu_offloaded, of soft resets and CPU offloading, are read only where present)
+    for f in ("request_id", "initial_tokens", "position_offset", "generated_tokens"):
         if f not in sfields:
             raise ServingUnsupported(f"RequestState.{f}")
-    _need(req_mod, "RequestStatus", "requests")
+    status = _need(req_mod, "RequestStatus", "requests")
+    for st in ("PENDING", "PREFILLING", "DECODING", "FINISHED"):
+        _need(status, st, "RequestStatus")
+    try:
+        from transformers.generation.continuous_batching import continuous_api as api_mod
+    except ImportError:
+        raise ServingUnsupported("continuous_batching.continuous_api") from None
+    mgr = _need(api_mod, "ContinuousBatchingManager", "continuous_api")
+    for m in ("start", "stop", "is_running", "add_request", "get_result", "cancel_request"):
+        _need(mgr, m, "ContinuousBatchingManager")
+    if not (hasattr(mgr, "warmup") or hasattr(mgr, "_create_batch_processor")):
+        raise ServingUnsupported("ContinuousBatchingManager.warmup")
+    fs = _need(req_mod, "FutureRequestState", "requests")
+    _params(fs.__init__, "FutureRequestState.__init__", ("state", "has_new_token", "query_length"))
     pac = _need(cache_mod, "PagedAttentionCache", "cache")
     for m in ("free_blocks", "cache_allocators"):
         if m != "cache_allocators":
@@ -224,8 +249,8 @@ def check_model(model, pol) -> None:
 def check_serving(model, spec: ServeSpec):
     """Raise an EpiKVError (one line) for every setting that serving with eviction cannot honour. Cheap: builds no
     cache. Returns the policy instance."""
-    pol = check_spec(spec)
-    check_internals()
+    _, _, cb_cls = check_internals()
+    pol = check_spec(spec, cb_config_fields(cb_cls))
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
         raise EpiKVError("this model holds a cached continuous batching manager (stop(keep_for_next_session=True)): "
                          "destroy it first (model.destroy_cached_continuous_batching_manager())")

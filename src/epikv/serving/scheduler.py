@@ -40,7 +40,6 @@ class Runtime:
         self.recent = policy.recent_window(spec.budget) if policy.evicts else 0
         self.device = model.get_input_embeddings().weight.device
         self.tracks: dict[str, Track] = {}
-        self.admitted: set[str] = set()
         self.batch: list[tuple[str, Any, int, int]] | None = None  # (request id, state, stored before, new tokens)
         self.open = False
         self.hidden: dict[int, torch.Tensor] = {}
@@ -48,9 +47,10 @@ class Runtime:
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
         self.checked_cu = False
+        self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
-                          soft_resets=0, forks=0, refused=0, steps=0, evicted={})
+                          soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, evicted={})
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -79,7 +79,8 @@ class Runtime:
         return hook
 
     def _pre(self, module, args, kwargs):
-        if self.batch is None:  # a forward the scheduler did not plan (none in normal serving)
+        # only the generation loop's own forward, planned by the scheduler (not a forward of another thread)
+        if self.batch is None or threading.get_ident() != self.loop_thread:
             return None
         lens = [t for _, _, _, t in self.batch]
         cu = kwargs.get("cu_seq_lens_q")
@@ -195,10 +196,15 @@ def scheduler_class():
 
         def add_waiting_request(self, state) -> None:
             rt = self._rt
-            if rt is not None and state.request_id in rt.admitted:
+            if rt is not None:
                 # back from preemption: a CPU-offloaded request keeps its pages' content and its state; a soft
-                # reset is a new request (prompt + generated so far), whose state starts over
-                rt.stats["offloads" if getattr(state, "is_cpu_offloaded", False) else "soft_resets"] += 1
+                # reset is a new request (prompt + generated so far, the true prompt length kept), whose state
+                # starts over
+                if getattr(state, "is_cpu_offloaded", False):
+                    rt.stats["offloads"] += 1
+                elif len(state.initial_tokens) > (getattr(state, "_true_initial_tokens", 0)
+                                                  or len(state.initial_tokens)):
+                    rt.stats["soft_resets"] += 1
             super().add_waiting_request(state)
 
         def finish_request(self, request_id: str) -> None:
@@ -221,14 +227,15 @@ def scheduler_class():
                     parent = rt.tracks.get(rid.rsplit("__child#", 1)[0])
                     if parent is not None:
                         rt.tracks[rid] = parent.fork()
-                        rt.admitted.add(rid)
                         rt.stats["forks"] += 1
             for rid in list(self.waiting_requests_order):
                 state = self.waiting_requests.get(rid)
-                if state is not None and rid not in rt.admitted:
+                if state is not None and not getattr(state, "_epikv_checked", False):
                     msg = rt.too_long(state)
                     if msg:
                         rt.fail(self, state, msg)
+                    else:
+                        state._epikv_checked = True  # checked once per request (a soft reset is checked again)
             if rt.policy.evicts:
                 for rid, state in list(self.active_requests.items()):
                     tr = rt.tracks.get(rid)
@@ -253,9 +260,12 @@ def scheduler_class():
                     rid = state.request_id
                     if rid not in rt.tracks:
                         rt.tracks[rid] = rt.new_track(state)
-                        rt.admitted.add(rid)
                     batch.append((rid, state, state.position_offset, fs.query_length))
+                    if not fs.has_new_token and not getattr(state, "_epikv_chunked", False):
+                        state._epikv_chunked = True  # its prefill continues in a later forward: chunked
+                        rt.stats["chunked_prefills"] += 1
                 rt.batch = batch
+                rt.loop_thread = threading.get_ident()
             st = rt.stats
             st["steps"] += 1
             holding = sum(1 for rid, t in rt.alloc.block_table.items() if t)  # requests whose KV is in the cache
@@ -309,7 +319,11 @@ def start_manager(model, spec: ServeSpec, generation_config=None):
                                                  continuous_batching_config=cb)
         rt.manager = manager
         _check_resolved(manager.continuous_batching_config)
-        manager.warmup()  # builds the batch processor here, so the scheduler's cache probe raises in this thread
+        # build the batch processor (hence the scheduler and its cache probe) here, so a refusal raises in this thread
+        if hasattr(manager, "warmup"):
+            manager.warmup()
+        else:
+            manager.batch_processor = manager._create_batch_processor()
         if rt.scheduler is None:
             raise ServingUnsupported("scheduler_type", "the epikv scheduler was not instantiated from "
                                      "SCHEDULER_MAPPING")
