@@ -341,12 +341,13 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
 
 # ---------------------------------------------------------------------- reporting
 def table(rows: list[dict], eq: list[dict]) -> str:
-    lines = ["| policy | completed | in flight max / mean / median | tokens/s | latency p50 / p95 (s) | "
-             "TTFT p50 (s) | peak pages / blocks | preemptions | evictions |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | completed | in flight max / mean / median | tokens/s | tokens per forward | "
+             "latency p50 / p95 (s) | TTFT p50 (s) | peak pages / blocks | preemptions | evictions |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['completed']}/{r['requests']} | {r['max_in_flight']} / "
                      f"{r['in_flight_mean']} / {r['in_flight_p50']} | {r['tokens_per_s']} | "
+                     f"{_per_forward(r)} | "
                      f"{r['latency_p50_s']} / {r['latency_p95_s']} | "
                      f"{r['ttft_p50_s']} | {r['peak_pages']} / {r['num_blocks']} | {r['preemptions']} | "
                      f"{r['evictions']} |")
@@ -359,7 +360,9 @@ def table(rows: list[dict], eq: list[dict]) -> str:
             lines.append(f"- {r['label']}: {(r['in_flight_mean'] or 0) / (full['in_flight_mean'] or 1):.2f}x full's "
                          f"mean in flight ({(r['in_flight_p50'] or 0) / (full['in_flight_p50'] or 1):.2f}x its "
                          f"median, {r['max_in_flight'] / full['max_in_flight']:.2f}x its max), "
-                         f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x its tokens/s")
+                         f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x its tokens/s"
+                         + (f", {_per_forward(r) / _per_forward(full):.2f}x its tokens per forward"
+                            if _per_forward(r) and _per_forward(full) else ""))
     if eq:
         lines += ["", "Equal batch (in process, forced length):", "",
                   "| engine | policy | batch | tokens/s | ms per step |", "|---|---|---|---|---|"]
@@ -376,6 +379,11 @@ def table(rows: list[dict], eq: list[dict]) -> str:
                                  f"- padded model.generate: {e['tokens_per_s'] / f['tokens_per_s']:.2f}x the "
                                  f"engine's full tokens/s at batch {f['batch']}")
     return "\n".join(lines) + "\n"
+
+
+def _per_forward(r: dict):
+    """Tokens generated per forward pass: throughput that does not depend on the machine's load."""
+    return round(r["generated_tokens"] / r["steps"], 2) if r.get("steps") else None
 
 
 def _median_eq(eq: list[dict]) -> list[dict]:
@@ -399,7 +407,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [r["label"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, ax = plt.subplots(1, 4, figsize=(15, 3.6))
     x = range(len(rows))
     ax[0].bar(x, [r["max_in_flight"] or 0 for r in rows], color="#bbb", label="max")
     ax[0].bar(x, [r["in_flight_mean"] or 0 for r in rows], color="#3a7", width=0.5, label="mean")
@@ -407,10 +415,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax[0].legend(fontsize=8)
     ax[1].bar(x, [r["tokens_per_s"] or 0 for r in rows], color="#37a")
     ax[1].set_title("aggregate tokens/s")
-    ax[2].bar([i - 0.2 for i in x], [r["latency_p50_s"] or 0 for r in rows], width=0.4, label="p50")
-    ax[2].bar([i + 0.2 for i in x], [r["latency_p95_s"] or 0 for r in rows], width=0.4, label="p95")
-    ax[2].set_title("request latency (s)")
-    ax[2].legend(fontsize=8)
+    ax[2].bar(x, [_per_forward(r) or 0 for r in rows], color="#a73")
+    ax[2].set_title("tokens per forward")
+    ax[3].bar([i - 0.2 for i in x], [r["latency_p50_s"] or 0 for r in rows], width=0.4, label="p50")
+    ax[3].bar([i + 0.2 for i in x], [r["latency_p95_s"] or 0 for r in rows], width=0.4, label="p95")
+    ax[3].set_title("request latency (s)")
+    ax[3].legend(fontsize=8)
     for a in ax:
         a.set_xticks(list(x))
         a.set_xticklabels(labels, fontsize=8)
