@@ -94,6 +94,8 @@ class Server:
                 time.sleep(0.05)
                 continue
             if out is None:
+                if not self.healthy():  # get_result returns at once when the loop is gone: do not spin
+                    time.sleep(0.05)
                 continue
             with self._lock:
                 p = self._pending.get(out.request_id)
@@ -119,8 +121,12 @@ class Server:
             c.in_flight += 1
             c.max_in_flight = max(c.max_in_flight, c.in_flight)
         kw = {"eos_token_id": -1} if ignore_eos else {}
-        got = self.manager.add_request(list(input_ids), request_id=rid, max_new_tokens=max_tokens,
-                                       streaming=streaming, **kw)
+        try:
+            got = self.manager.add_request(list(input_ids), request_id=rid, max_new_tokens=max_tokens,
+                                           streaming=streaming, **kw)
+        except Exception as e:  # e.g. the input queue stayed full
+            self.finish(rid, "failed")
+            raise RuntimeError(f"the engine did not take the request: {type(e).__name__}: {e}") from None
         if got is None:  # the manager is stopping and dropped it
             self.finish(rid, "failed")
             raise RuntimeError("the server is shutting down")
