@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import (add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, nonneg_int, out_file,
-                     positive_int, settings_by_policy)
+from .common import (add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, nonneg_int, out_dir,
+                     out_file, positive_int, settings_by_policy)
 
 
 def register(sub) -> None:
@@ -84,6 +84,131 @@ def register(sub) -> None:
     t.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
     t.set_defaults(run=run_throughput, policies=["full", "epikv"], budgets=[1024])
+
+
+    v = bsub.add_parser("serve", help="load on `epikv serve` over HTTP: full against eviction under one KV cache",
+                        description="Starts `epikv serve` once per policy (in sequence, same --num-blocks), sends "
+                                    "--requests chat requests with reasoning problems from the shared data at "
+                                    "--concurrency with the openai client, each forced to --max-tokens, and reports "
+                                    "requests completed, in flight, tokens/s, latency, peak KV pages and "
+                                    "preemptions. Writes results.jsonl (resumable), table.md and serve.png into "
+                                    "--out.")
+    add_model_args(v)
+    add_policy_args(v, multi=True)
+    v.add_argument("--page", type=positive_int, default=16, help="tokens per cache page (default 16)")
+    v.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="pages in the shared KV cache, the same for every policy (required unless --url)")
+    v.add_argument("--max-batch-tokens", type=positive_int, default=256, help="tokens per forward pass")
+    v.add_argument("--url", default=None, help="load an already running server instead (one row: its policy)")
+    v.add_argument("--requests", type=positive_int, default=32, help="requests per policy (R)")
+    v.add_argument("--concurrency", type=positive_int, default=32, help="requests open at once (C)")
+    v.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens generated per request (forced)")
+    v.add_argument("--timeout", type=positive_int, default=3600, help="seconds per policy run, all requests")
+    v.add_argument("--data", default="math500", help="dataset name or JSONL path (fields id, problem, answer)")
+    v.add_argument("--data-dir", default=None, help="folder of the named datasets (default: ../shared/data)")
+    v.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                   help="take only prompts of at most this many tokens (an evicting policy refuses a prompt that "
+                        "does not fit its budget with the recent window)")
+    v.add_argument("--equal-batch", type=nonneg_int, default=0,
+                   help="also time B requests together in-process: the engine under each policy and padded "
+                        "model.generate (0: skip)")
+    v.add_argument("--equal-batch-tokens", type=positive_int, default=None,
+                   help="tokens per request of the equal-batch part (default: --max-tokens)")
+    v.add_argument("--equal-batch-repeats", type=positive_int, default=1, help="interleaved repeats of that part")
+    v.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (server and this process)")
+    v.add_argument("--out", required=True, type=out_dir, help="folder for results.jsonl, table.md, serve.png, logs")
+    v.set_defaults(run=run_serve, policies=["full", "epikv"], budgets=[256, 512])
+
+
+def run_serve(args) -> int:
+    from ..bench.serve import Row, chat_prompts, equal_batch, plot, read_done, row_key, run_row, table, tokenizer_of
+    from ..data import data_dir
+    from ..policies import REGISTRY
+
+    names = list(dict.fromkeys(args.policies))
+    settings = settings_by_policy(args, names)  # unknown names and stray --set refused before anything starts
+    if args.url is None and args.num_blocks is None:
+        raise EpiKVError("--num-blocks is required (or --url for a running server)")
+    if args.url is not None and (len(names) > 1 or len(args.budgets) > 1):
+        raise EpiKVError("--url loads one running server: give one policy and one budget (its own)")
+    rows = []
+    for name in names:
+        sets = [f"{n}.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}"
+                for n, k, v in (args.set or []) if n == name]
+        for k in ([None] if not REGISTRY[name].evicts else dict.fromkeys(args.budgets)):
+            rows.append(Row(name, k, sets))
+    folder = args.data_dir or (str(data_dir()) if not args.data.endswith(".jsonl") else None)
+    tok = tokenizer_of(args.model) if args.max_prompt_tokens else None
+    prompts, source = chat_prompts(args.data, folder, args.requests, tok, args.max_prompt_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    done = read_done(results)
+    common = {"model": args.model, "page": args.page, "num_blocks": args.num_blocks, "requests": args.requests,
+              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "data": args.data,
+              "max_batch_tokens": args.max_batch_tokens, "url": args.url,
+              "max_prompt_tokens": args.max_prompt_tokens}
+    server_argv = ["--model", args.model, "--page", str(args.page), "--max-batch-tokens", str(args.max_batch_tokens),
+                   "--max-tokens", str(args.max_tokens)]
+    if args.num_blocks:
+        server_argv += ["--num-blocks", str(args.num_blocks)]
+    for flag, v in (("--device", args.device), ("--dtype", args.dtype), ("--attn", args.attn),
+                    ("--threads", args.threads), ("--tau", args.tau), ("--recent", args.recent)):
+        if v is not None:
+            server_argv += [flag, str(v)]
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    recs = []
+    for row in rows:
+        key = row_key(row, common)
+        if key in done:
+            say(f"{row.label}: reusing the finished row in {results}")
+            recs.append(done[key])
+            continue
+        say(f"{row.label}: {args.requests} requests x {args.max_tokens} tokens at concurrency {args.concurrency}")
+        rec = run_row(row, server_argv, prompts, args.concurrency, args.max_tokens, args.timeout,
+                      log=out / f"server-{row.label.replace(' ', '_').replace('=', '')}.log", url=args.url, say=say)
+        rec.update(kind="serve", key=key, data=source, environment=_environment(), settings=common)
+        with results.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        recs.append(rec)
+        say(f"{row.label}: {rec['completed']}/{rec['requests']} completed, max in flight {rec['max_in_flight']}, "
+            f"{rec['tokens_per_s']} tok/s, latency p50 {rec['latency_p50_s']} s, peak pages {rec['peak_pages']}")
+    eq = []
+    if args.equal_batch:
+        from ..engine import eos_ids  # noqa: F401  (the model loads only for this part)
+        from ..eval.prompts import get_protocol, build_prompt
+        from ..eval.datasets import load_dataset
+
+        ekey = json.dumps({"equal_batch": args.equal_batch, "tokens": args.equal_batch_tokens or args.max_tokens,
+                           "rows": [r.label for r in rows], **common}, sort_keys=True)
+        if ekey in done:
+            say(f"equal batch: reusing the finished part in {results}")
+            eq = done[ekey]["points"]
+        else:
+            import torch
+
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            lm = load(args)
+            ds = load_dataset(args.data, data_dir=folder)
+            ids = [build_prompt(lm.tokenizer, r["problem"], get_protocol("paper")) for r in ds.rows]
+            ids = [x for x in ids if args.max_prompt_tokens is None or len(x) <= args.max_prompt_tokens]
+            ids = ids[:args.equal_batch]
+            eq = equal_batch(lm.model, lm.tokenizer, rows, lambda r: settings[r.policy], ids,
+                             args.equal_batch_tokens or args.max_tokens, args.page, args.max_batch_tokens,
+                             repeats=args.equal_batch_repeats, say=say)
+            with results.open("a") as f:
+                f.write(json.dumps({"kind": "equal_batch", "key": ekey, "points": eq,
+                                    "environment": _environment()}) + "\n")
+    text = table(recs, eq)
+    head = (f"{args.model}, page {args.page}, {args.num_blocks} blocks, {args.requests} requests x {args.max_tokens} "
+            f"tokens (forced), concurrency {args.concurrency}, data {args.data}\n\n")
+    (out / "table.md").write_text(head + text)
+    if recs:
+        plot(recs, out / "serve.png", head.strip())
+    print(head + text)
+    say(f"wrote {results}, {out / 'table.md'}" + (f", {out / 'serve.png'}" if recs else ""))
+    return 0
 
 
 def _environment() -> dict:

@@ -1,0 +1,183 @@
+"""`epikv serve`: an OpenAI-compatible HTTP server on transformers' continuous batching, with eviction inside it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import socket
+import sys
+
+from ..errors import EpiKVError
+from .common import add_model_args, add_policy_args, load, positive_int, settings_by_policy
+
+_NEEDS = ("fastapi", "uvicorn")
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0: any free port), got {text!r}")
+    return v
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible server with eviction inside continuous batching",
+                       description="Serve the model over HTTP (POST /v1/completions, /v1/chat/completions, streamed "
+                                   "or not; GET /v1/models, /health, /stats) on transformers' continuous batching, "
+                                   "each request's KV cache kept within --budget tokens by dropping whole pages. "
+                                   "Greedy decoding. Needs `pip install 'epikv[serve]'`.")
+    add_model_args(p)
+    add_policy_args(p)
+    g = p.add_argument_group("paged cache")
+    g.add_argument("--page", type=positive_int, default=16,
+                   help="tokens per cache page (block); eviction drops whole pages (default 16)")
+    g.add_argument("--num-blocks", type=positive_int, required=True,
+                   help="pages in the shared KV cache (required: the engine's default fills 90%% of free memory)")
+    g.add_argument("--max-batch-tokens", type=positive_int, default=256,
+                   help="tokens per forward pass (prefill chunks + one per decoding request; default 256)")
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    h.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
+    h.add_argument("--max-tokens", type=positive_int, default=256,
+                   help="max_tokens of a request that names none (default 256)")
+    h.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    p.set_defaults(run=run)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so that a port in use is refused before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise EpiKVError(f"--host {host}: {e.strerror or e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise EpiKVError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _max_positions(model) -> int | None:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def run(args) -> int:
+    missing = []
+    for m in _NEEDS:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            missing.append(m)
+    if missing:
+        raise EpiKVError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                         "pip install 'epikv[serve]'")
+    import torch
+
+    from ..engine import eos_ids
+    from ..policies import REGISTRY
+    from ..serving import ServeSpec, check_serving, serving_stats, start_manager
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = settings_by_policy(args, [args.policy])[args.policy]  # unknown policy, stray --set: refused here
+    evicts = REGISTRY[args.policy].evicts
+    spec = ServeSpec(policy=args.policy, settings=settings, budget=args.budget if evicts else None, page=args.page,
+                     num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, recency=args.recent,
+                     tau=args.tau)
+    lm = load(args)
+    check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
+    sock = _bind(args.host, args.port)
+    try:
+        return _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids)
+    finally:
+        sock.close()
+
+
+def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) -> int:
+    from transformers import GenerationConfig
+
+    from ..serving.app import Server, build_app
+    eos = eos_ids(lm.model, lm.tokenizer)
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos or -1, pad_token_id=pad)
+    capacity = args.num_blocks * args.page
+    manager = start_manager(lm.model, spec, gc)
+    server = None
+    try:
+        # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
+        # budget keeps the rest within K)
+        server = Server(manager, lm.tokenizer, model_name=args.model, eos=eos, default_max_tokens=args.max_tokens,
+                        max_positions=_max_positions(lm.model), prompt_limit=capacity if evicts else None,
+                        total_limit=None if evicts else capacity, stats=serving_stats,
+                        info={"model": args.model, "policy": spec.policy, "budget": spec.budget, "page": spec.page,
+                              "num_blocks": spec.num_blocks, "max_batch_tokens": spec.max_batch_tokens,
+                              "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})
+        app = build_app(server)
+        import uvicorn
+
+        cfg = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
+                             timeout_graceful_shutdown=5, lifespan="off")
+        userver = _QuietServer(cfg)
+
+        def on_signal(sig, frame):  # first signal: graceful stop; second: stop now
+            userver.force_exit = userver.should_exit
+            userver.should_exit = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        sock.listen(2048)  # connections wait in the backlog from here on, so the line below means "ready"
+        host, port = sock.getsockname()[:2]
+        what = f"{spec.policy}" + (f" K={spec.budget}" if spec.budget else "")
+        print(f"epikv serve: listening on http://{host}:{port} (model {args.model}, {what}, page {spec.page}, "
+              f"{spec.num_blocks} blocks)", file=sys.stderr, flush=True)
+        userver.run(sockets=[sock])
+    finally:
+        if server is not None:
+            server.close()
+        _stop_manager(manager)
+    print("epikv serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _server_class():
+    import contextlib
+
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn without its own signal handling (which differs between versions and re-raises the signal after
+        shutdown): ours sets should_exit, then the engine is stopped and the command returns 0."""
+
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+            pass
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn >= 0.29
+            yield
+
+    return QuietServer
+
+
+def _QuietServer(cfg):
+    return _server_class()(cfg)
+
+
+def _stop_manager(manager) -> None:
+    # a second signal during the stop should not leave a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        manager.stop(block=True, timeout=10)
+    except Exception as e:  # already stopped or crashed: nothing left to release
+        print(f"epikv serve: warning: stopping the engine: {type(e).__name__}: {e}", file=sys.stderr)

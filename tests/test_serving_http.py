@@ -1,0 +1,308 @@
+"""`epikv serve` over real HTTP with the `openai` client, and `epikv bench serve` end to end.
+
+One server (a random tiny llama, epikv at K=128 with pages of 16, so every answer here is evicted from) is started as
+a subprocess on an ephemeral port for the module; each answer must equal the library's own run of the same prompt
+(`epikv.serving.run_batch`, greedy, same weights) token for token.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+MODEL = "random:tiny"
+K, PAGE, BLOCKS, MAX_TOK = 128, 16, 256, 90
+SERVE = ["--model", MODEL, "--policy", "epikv", "--budget", str(K), "--page", str(PAGE), "--num-blocks", str(BLOCKS),
+         "--max-batch-tokens", "64", "--max-tokens", str(MAX_TOK)]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("EPIKV_DEBUG", None)
+    return env
+
+
+def _cli(*argv, timeout=120, pre=""):
+    code = pre + "import sys; from epikv.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=_env())
+
+
+class Served:
+    def __init__(self, argv):
+        self.proc = subprocess.Popen([sys.executable, "-m", "epikv.cli", "serve", *argv, "--port", "0"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+        self.err: list[str] = []
+        ready = threading.Event()
+        self.url = None
+
+        def read():
+            for line in self.proc.stderr:
+                self.err.append(line)
+                m = re.search(r"listening on (http://\S+)", line)
+                if m:
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(120)
+        assert self.url, "".join(self.err)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post_raw(self, path, body):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served(SERVE)
+    yield s
+    s.proc.send_signal(signal.SIGTERM)
+    rc = s.proc.wait(30)
+    assert rc == 0, "".join(s.err)
+    assert "epikv serve: stopped" in "".join(s.err)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The library's own run: run_batch on the same weights, greedy, same eos and page rule."""
+    import torch
+    from transformers import GenerationConfig
+
+    from epikv import load_model
+    from epikv.engine import eos_ids
+    from epikv.serving import ServeSpec, run_batch
+
+    torch.set_num_threads(1)
+    lm = load_model(MODEL)
+    eos = eos_ids(lm.model, lm.tokenizer)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOK, eos_token_id=eos, pad_token_id=eos[0])
+    spec = ServeSpec(policy="epikv", budget=K, page=PAGE, num_blocks=BLOCKS, max_batch_tokens=64)
+    cache = {}
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        todo = [p for p in prompts if tuple(p) not in cache]
+        if todo:
+            outs, _ = run_batch(lm.model, spec, todo, MAX_TOK, generation_config=gc)
+            for p, o in zip(todo, outs):
+                cache[tuple(p)] = [t for t in o if t not in eos] if o and o[-1] in eos else o
+        return [cache[tuple(p)] for p in prompts]
+
+    run.tok = lm.tokenizer
+    return run
+
+
+def _prompt_ids(tok, text):
+    return list(tok(text)["input_ids"])
+
+
+def _chat_ids(tok, content):
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _texts(n):
+    # prompts of different lengths (about 8 to 70 tokens): with 90 new tokens the longer ones cross K=128
+    return [f"Problem {i}: " + " ".join(["the sum of the first odd numbers"] * (1 + (i * 5) % 8)) for i in range(n)]
+
+
+def test_completion_matches_library_streamed_and_not(served, lib):
+    text = _texts(4)[3]  # about 60 prompt tokens: with 90 new ones the cache crosses K
+    ids = lib([_prompt_ids(lib.tok, text)])[0]
+    r = served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK)
+    ch = r.choices[0]
+    assert ch.model_extra["token_ids"] == ids
+    assert ch.text == lib.tok.decode(ids, skip_special_tokens=True)
+    assert r.usage.completion_tokens == MAX_TOK and ch.finish_reason == "length"
+    parts = list(served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stream=True))
+    assert [p.choices[0].finish_reason for p in parts][-1] == "length"
+    assert all(p.choices[0].finish_reason is None for p in parts[:-1])
+    assert "".join(p.choices[0].text for p in parts) == ch.text
+    assert sum((p.choices[0].model_extra["token_ids"] for p in parts), []) == ids
+    st = served.get("/stats")["engine"]
+    assert st["evictions"] > 0 and st["policy"] == "epikv"  # eviction really ran on these answers
+
+
+def test_chat_matches_library_streamed_and_not(served, lib):
+    content = "What is 17 times 23? Think step by step."
+    ids = lib([_chat_ids(lib.tok, content)])[0]
+    msgs = [{"role": "user", "content": content}]
+    r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOK)
+    assert r.choices[0].model_extra["token_ids"] == ids
+    assert r.choices[0].message.content == lib.tok.decode(ids, skip_special_tokens=True)
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    parts = list(served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOK, stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == r.choices[0].message.content
+    assert sum((p.choices[0].model_extra["token_ids"] for p in parts), []) == ids
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_answer(served, lib):
+    text = _texts(2)[1]
+    ids = lib([_prompt_ids(lib.tok, text)])[0]
+    full = lib.tok.decode(ids, skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 6]
+    want = full[:full.index(stop)]
+    r = served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    parts = list(served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stop=stop,
+                                                  stream=True))
+    assert "".join(p.choices[0].text for p in parts) == want and parts[-1].choices[0].finish_reason == "stop"
+    assert served.get("/stats")["http"]["in_flight"] == 0
+
+
+def test_sse_wire_format(served):
+    raw = served.post_raw("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "stream": True})
+    events = [e for e in raw.split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and raw.endswith("\n\n")
+    body = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert sum(len(b["choices"][0]["token_ids"]) for b in body) == 5
+    assert body[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_twenty_concurrent_none_lost_none_duplicated(served, lib):
+    texts = _texts(20)
+    want = lib([_prompt_ids(lib.tok, t) for t in texts])
+    before = served.get("/stats")["http"]
+
+    def ask(i):
+        if i % 2:  # half streamed, half not
+            parts = list(served.client.completions.create(model=MODEL, prompt=texts[i], max_tokens=MAX_TOK,
+                                                          stream=True))
+            return i, parts[0].id, sum((p.choices[0].model_extra["token_ids"] for p in parts), [])
+        r = served.client.completions.create(model=MODEL, prompt=texts[i], max_tokens=MAX_TOK)
+        return i, r.id, r.choices[0].model_extra["token_ids"]
+
+    with ThreadPoolExecutor(20) as ex:
+        got = list(ex.map(ask, range(20)))
+    assert len(got) == 20 and len({g[1] for g in got}) == 20  # none lost, ids distinct
+    for i, _, ids in got:
+        assert ids == want[i], f"request {i} differs from the library's run"
+    after = served.get("/stats")
+    assert after["http"]["completed"] - before["completed"] == 20 and after["http"]["in_flight"] == 0
+    assert after["http"]["max_in_flight"] >= 10  # they really were concurrent
+    assert after["engine"]["max_in_flight"] > 1
+
+
+def test_models_health_stats(served):
+    assert served.get("/health") == {"status": "ok"}
+    m = served.get("/v1/models")
+    assert [d["id"] for d in m["data"]] == [MODEL]
+    assert [x.id for x in served.client.models.list().data] == [MODEL]
+    st = served.get("/stats")
+    assert st["server"]["budget"] == K and st["server"]["num_blocks"] == BLOCKS
+    assert {"peak_pages", "pages_in_use", "pages_freed", "evictions", "max_in_flight", "preemptions"} <= set(st["engine"])
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"prompt": "hi", "temperature": 0.7}, "greedily"),
+    ({"prompt": "hi", "n": 2}, "n must be 1"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "logit_bias": {}}, "unsupported field"),
+    ({"prompt": "hi", "model": "gpt-4"}, "serves model"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "hi", "max_tokens": 9000}, "positions"),
+])
+def test_bad_requests_answered_400(served, body, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.completions.create(**{"model": MODEL, **body})
+    assert says in str(e.value)
+
+
+def test_greedy_fields_accepted(served, lib):
+    text = _texts(1)[0]
+    ids = lib([_prompt_ids(lib.tok, text)])[0]
+    r = served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, temperature=0, top_p=0.5,
+                                         seed=7)
+    assert r.choices[0].model_extra["token_ids"] == ids
+
+
+def _one_line_exit_2(r):
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_refusals_exit_2_one_line():
+    base = ["serve", "--model", MODEL, "--page", "16", "--num-blocks", "64"]
+    block = ("import sys\nclass _NoFastAPI:\n    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] == 'fastapi': raise ImportError(name)\n"
+             "sys.meta_path.insert(0, _NoFastAPI())\n")
+    with socket.socket() as busy:  # a port in use
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        cases = [
+            ((*base, "--policy", "nope", "--port", "0"), "", "unknown policy"),
+            # a setting check_serving refuses: the policy's page must be the cache's page
+            ((*base, "--policy", "epikv", "--set", "epikv.page=8", "--port", "0"), "", "page"),
+            (("serve", "--model", MODEL, "--port", "0"), "", "num-blocks"),
+            ((*base, "--port", "70000"), "", "port"),
+            ((*base, "--port", str(busy.getsockname()[1])), "", "cannot listen on 127.0.0.1"),
+            ((*base, "--port", "0"), block, "pip install 'epikv[serve]'"),  # fastapi missing: the extra is named
+        ]
+        with ThreadPoolExecutor(3) as ex:  # each is a fresh interpreter: run a few at once
+            runs = list(ex.map(lambda c: _cli(*c[0], pre=c[1]), cases))
+    for (argv, _, says), r in zip(cases, runs):
+        assert says in _one_line_exit_2(r), (argv, r.stderr)
+
+
+def test_bench_serve_end_to_end(tmp_path):
+    out = tmp_path / "b"
+    r = _cli("bench", "serve", "--model", MODEL, "--policies", "full,epikv", "--budgets", "128", "--page", "16",
+             "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
+             "--max-prompt-tokens", "60", "--timeout", "120", "--out", str(out), timeout=200)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [x["label"] for x in rows] == ["full", "epikv K=128"]
+    for x in rows:
+        assert x["completed"] == 3 and x["complete_length"] == 3 and x["generated_tokens"] == 3 * 16
+        assert x["max_in_flight"] >= 1 and x["peak_pages"] >= 1 and x["tokens_per_s"] > 0
+    assert (out / "serve.png").stat().st_size > 0 and "| epikv K=128 | 3/3 |" in (out / "table.md").read_text()
+    # a second run reuses both rows instead of serving again
+    r2 = _cli("bench", "serve", "--model", MODEL, "--policies", "full,epikv", "--budgets", "128", "--page", "16",
+              "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
+              "--max-prompt-tokens", "60", "--timeout", "120", "--out", str(out), timeout=200)
+    assert r2.returncode == 0 and r2.stderr.count("reusing the finished row") == 2, r2.stderr
+
+
+def test_bench_summary_counts_cut_requests():
+    from epikv.bench.serve import Row, percentile, summarize
+
+    recs = [{"latency_s": 2.0, "ttft_s": 0.5, "tokens": 8, "finish": "length"},
+            {"latency_s": 4.0, "ttft_s": 0.7, "tokens": 8, "finish": "length"},
+            {"unfinished": True, "tokens": 3}, {"error": "APIError: boom"}]
+    stats = {"engine": {"max_in_flight": 2, "steps": 10, "peak_pages": 5}, "http": {"max_in_flight": 3}}
+    s = summarize(Row("epikv", 64), {"records": recs, "wall_s": 2.0, "timed_out": 1}, stats, 4, 4, 8)
+    assert (s["completed"], s["unfinished"], s["failed"]) == (2, 1, 1)
+    assert s["generated_tokens"] == 19 and s["tokens_per_s"] == 9.5  # the cut request's 3 tokens count
+    assert s["latency_p50_s"] == 3.0 and s["ms_per_step"] == 200.0 and s["label"] == "epikv K=64"
+    assert percentile([1, 2, 3, 4], 0.95) == pytest.approx(3.85) and percentile([], 0.5) is None
