@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD/src
-exec python -m epikv.cli bench serve --model smollm2 --policies full,epikv --budgets 256,512 \
+exec "${PY:-.venv/bin/python}" -m epikv.cli bench serve --model smollm2 --policies full,epikv --budgets 256,512 \
   --page 16 --num-blocks 232 --max-batch-tokens 256 \
   --requests 12 --concurrency 12 --max-tokens 768 --max-prompt-tokens 160 --timeout 1200 \
   --equal-batch 4 --equal-batch-tokens 128 \

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD/src
-exec python -m epikv.cli bench serve --model smollm2 --policies full,epikv --budgets 256,512 \
+exec "${PY:-.venv/bin/python}" -m epikv.cli bench serve --model smollm2 --policies full,epikv --budgets 256,512 \
   --page 16 --num-blocks 300 --max-batch-tokens 256 \
   --requests 16 --concurrency 16 --max-tokens 1024 --max-prompt-tokens 160 --timeout 1500 \
   --out benchmarks/results/serve/r16x1024
