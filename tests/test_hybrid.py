@@ -126,7 +126,10 @@ def test_padded_batch_rows_match_single_runs(g3):
     tok = g3.tokenizer
     rows = [tok(p)["input_ids"] for p in PROMPTS]
     cont = _ids(30, seed=9)
-    kw = dict(budget=8, tau=1, recent=2, protect_prompt=False, n_sink=2)
+    # windows over the prompt too (window_over="all"): with the decode-only default every unprotected prompt token
+    # scores exactly 0 and a two-value window gives z = +-1, exact ties in theory that float rounding, which depends
+    # on the batch's shape and the transformers version, breaks either way; this test is about the padding
+    kw = dict(budget=8, tau=1, recent=2, protect_prompt=False, n_sink=2, window_over="all")
     with torch.inference_mode():
         singles = []
         for r in rows:
