@@ -23,7 +23,8 @@ class ServingUnsupported(EpiKVError):
     def __init__(self, missing: str, why: str = "") -> None:
         self.missing = missing
         super().__init__(f"transformers' continuous batching here lacks {missing}{': ' + why if why else ''}; "
-                         "serving with eviction needs transformers >= 5.17 with those internals (tested on 5.25)")
+                         "serving with eviction needs the continuous-batching internals of transformers 5.25 (the "
+                         "version it is tested on; 5.17 and older lay out the paged cache differently)")
 
 
 @dataclass
