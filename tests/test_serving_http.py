@@ -230,6 +230,9 @@ def test_models_health_stats(served):
     ({"prompt": "hi", "model": "gpt-4"}, "serves model"),
     ({"prompt": ""}, "empty"),
     ({"prompt": "hi", "max_tokens": 9000}, "positions"),
+    # the protected prompt + the recency window (K // 4) over K: refused up front, not failed after admission
+    ({"prompt": "one two three four five six seven eight nine ten " * 12, "max_tokens": 4},
+     "smaller than what is protected"),
 ])
 def test_bad_requests_answered_400(served, body, says):
     with pytest.raises(openai.BadRequestError) as e:

@@ -108,6 +108,7 @@ def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) 
     from transformers import GenerationConfig
 
     from ..serving.app import Server, build_app
+    from ..serving.scheduler import prompt_refusal
     eos = eos_ids(lm.model, lm.tokenizer)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     gc = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos or -1, pad_token_id=pad)
@@ -120,6 +121,7 @@ def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) 
         server = Server(manager, lm.tokenizer, model_name=args.model, eos=eos, default_max_tokens=args.max_tokens,
                         max_positions=_max_positions(lm.model), prompt_limit=capacity if evicts else None,
                         total_limit=None if evicts else capacity, stats=serving_stats,
+                        prompt_check=lambda n: prompt_refusal(manager, n),
                         info={"model": args.model, "policy": spec.policy, "budget": spec.budget, "page": spec.page,
                               "num_blocks": spec.num_blocks, "max_batch_tokens": spec.max_batch_tokens,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})

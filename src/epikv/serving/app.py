@@ -62,8 +62,9 @@ class Server:
 
     def __init__(self, manager, tokenizer, *, model_name: str, eos: list[int], default_max_tokens: int = 256,
                  max_positions: int | None = None, prompt_limit: int | None = None, total_limit: int | None = None,
-                 stats=None, info: dict | None = None):
+                 stats=None, info: dict | None = None, prompt_check=None):
         self.manager = manager
+        self.prompt_check = prompt_check  # n_prompt -> why it can never be served (a 400), or None
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos = set(int(e) for e in eos)
@@ -284,6 +285,9 @@ def parse_request(server: Server, body, chat: bool) -> dict:
     if server.max_positions and len(ids) + max_tokens > server.max_positions:
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                          f"{server.max_positions} positions", "max_tokens")
+    why = server.prompt_check(len(ids)) if server.prompt_check else None
+    if why:
+        raise BadRequest(why, "prompt")
     if server.prompt_limit and len(ids) > server.prompt_limit:
         raise BadRequest(f"prompt ({len(ids)} tokens) exceeds the {server.prompt_limit} tokens a request may hold "
                          f"in this server's cache", "prompt")

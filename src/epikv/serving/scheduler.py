@@ -134,9 +134,12 @@ class Runtime:
 
     def too_long(self, state) -> str | None:
         """The engine's own check (EpiKVCache.begin): the protected prompt and the recency window must fit."""
+        return self.protected_overflow(getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens))
+
+    def protected_overflow(self, prompt: int) -> str | None:
+        """Why a prompt of this many tokens can never be served within the budget, or None."""
         if not self.policy.evicts:
             return None
-        prompt = getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
         prot = prompt if self.policy.protect_prompt else min(self.policy.n_sink, prompt)
         if prot + self.recent > self.budget:
             what = "prompt" if self.policy.protect_prompt else "sink tokens"
@@ -343,6 +346,15 @@ def start_manager(model, spec: ServeSpec, generation_config=None):
         rt.close()
         raise
     return manager
+
+
+def prompt_refusal(manager, prompt_tokens: int) -> str | None:
+    """Why a prompt of `prompt_tokens` tokens would fail in this served manager (its protected part and the recency
+    window exceed the budget: the same line the engine gives), or None; lets a server refuse it up front."""
+    rt = getattr(manager, "_epikv_runtime", None)
+    if rt is None:
+        raise EpiKVError("this manager was not started by epikv.serving.start_manager")
+    return rt.protected_overflow(prompt_tokens)
 
 
 def serving_stats(manager) -> dict:
