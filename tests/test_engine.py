@@ -321,3 +321,16 @@ def test_streamed_text_adds_up(smollm2):
                    budget=64, max_new_tokens=40, on_step=on_step)
     assert "".join(pieces).strip() == res.texts[0].strip()
     assert max(caches) <= 64 and len(pieces) == len(res.token_ids[0])
+
+
+def test_protected_part_and_recency_must_fit_the_budget_exactly():
+    # one rule for the cache, the serving scheduler and the up-front checks: the protected prompt (or, with
+    # protect_prompt off, its first n_sink tokens) + the recency window may fill the budget exactly, not one more
+    pol = get_policy("epikv")
+    assert pol.protected(30) == 30 and pol.protected_overflow(40, 10, 30) is None
+    assert pol.protected_overflow(39, 10, 30) == ("budget 39 is smaller than what is protected: 30 prompt + 10 "
+                                                  "recent tokens; raise the budget or shorten the prompt")
+    sinks = get_policy("epikv", protect_prompt=False, n_sink=4)
+    assert sinks.protected(30) == 4 and sinks.protected(3) == 3
+    assert sinks.protected_overflow(14, 10, 30) is None and "4 sink tokens" in sinks.protected_overflow(13, 10, 30)
+    assert pol.protected_overflow(None, 10, 30) is None  # no budget: nothing to fit

@@ -507,15 +507,14 @@ class EpiKVCache(Cache):
         n_pad = n_pad or [0] * len(prompt_lens)
         if min(prompt_lens) < 1:
             raise EpiKVError("empty prompt: at least one token is needed")
-        prot = [p if self.policy.protect_prompt else min(self.policy.n_sink, p) for p in prompt_lens]
+        prot = [self.policy.protected(p) for p in prompt_lens]
         if self._full_layers and any(n_pad):
             raise EpiKVError(f"{self.policy.name} leaves layers {sorted(self._full_layers)} uncompressed, so layers "
                              "differ in length, which a padded batch's shared mask cannot express: run prompts one "
                              "at a time or set skip_layers to none")
-        if self.budget is not None and max(prot) + self.recent > self.budget:
-            what = "prompt" if self.policy.protect_prompt else "sink tokens"
-            raise EpiKVError(f"budget {self.budget} is smaller than what is protected: {max(prot)} {what} + "
-                             f"{self.recent} recent tokens; raise the budget or shorten the prompt")
+        why = self.policy.protected_overflow(self.budget, self.recent, max(prompt_lens))
+        if why:
+            raise EpiKVError(why)
         self._padded = any(n_pad)  # host-side, from the prompt layout: no device sync per step
         if self._sliding and self._padded and self.policy.evicts and (
                 self.policy.page or type(self.policy).keep is not Policy.keep):

@@ -96,7 +96,7 @@ class Plan:
         """What the engine would refuse mid-run, refused up front in one line."""
         p = self.policy
         if self.budget is not None:
-            prot = longest if p.protect_prompt else min(p.n_sink, longest)
+            prot = p.protected(longest)
             recent = p.recent_window(self.budget)
             if prot + recent > self.budget:
                 raise EpiKVError(f"budget {self.budget} is smaller than what {p.name} protects: a {longest}-token "

@@ -104,7 +104,7 @@ def check_budgets(problems: dict[str, dict], policies: list[str], budgets: list[
         for k in budgets:
             policy = get_policy(pol, tau=tau, **settings[pol])
             recent = policy.recent_window(k)
-            prot = p if policy.protect_prompt else min(policy.n_sink, p)
+            prot = policy.protected(p)
             if prot + recent > k:
                 raise EpiKVError(f"budget {k} is below what {pol} protects for problem {longest['id']}: a "
                                  f"{p}-token prompt + {recent} recent tokens; raise the budget, lower --recent or "

@@ -163,6 +163,20 @@ class Policy:
     def recent_window(self, budget: int) -> int:
         return min(128, budget // 4) if self.recent is None else self.recent
 
+    def protected(self, prompt_len: int) -> int:
+        """How many of a prompt's tokens are never evicted: all of them, or with protect_prompt off its first n_sink."""
+        return prompt_len if self.protect_prompt else min(self.n_sink, prompt_len)
+
+    def protected_overflow(self, budget: int | None, recent: int, prompt_len: int) -> str | None:
+        """Why `budget` cannot hold the protected part of a prompt of `prompt_len` tokens plus the `recent` window
+        (one line, the same wherever it is checked: the cache, the serving scheduler), or None when it can."""
+        prot = self.protected(prompt_len)
+        if budget is None or prot + recent <= budget:
+            return None
+        what = "prompt" if self.protect_prompt else "sink tokens"
+        return (f"budget {budget} is smaller than what is protected: {prot} {what} + {recent} recent tokens; "
+                "raise the budget or shorten the prompt")
+
     def describe(self) -> dict[str, Any]:
         defaults = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
         return {

@@ -47,7 +47,7 @@ class Track:
                  recent: int) -> None:
         self.state: Any = policy.init_state(1, n_layers, device) if policy.evicts else None
         self.token_data: dict[str, torch.Tensor] = {}
-        prot = prompt_len if policy.protect_prompt else min(policy.n_sink, prompt_len)
+        prot = policy.protected(prompt_len)
         self.device = device
         self.n_prompt = torch.tensor([prompt_len], device=device)
         self.n_protect = torch.tensor([prot], device=device)

@@ -140,12 +140,7 @@ class Runtime:
         """Why a prompt of this many tokens can never be served within the budget, or None."""
         if not self.policy.evicts:
             return None
-        prot = prompt if self.policy.protect_prompt else min(self.policy.n_sink, prompt)
-        if prot + self.recent > self.budget:
-            what = "prompt" if self.policy.protect_prompt else "sink tokens"
-            return (f"budget {self.budget} is smaller than what is protected: {prot} {what} + {self.recent} recent "
-                    "tokens; raise the budget or shorten the prompt")
-        return None
+        return self.policy.protected_overflow(self.budget, self.recent, prompt)
 
     def fail(self, scheduler, state, msg: str) -> None:
         rid = state.request_id
