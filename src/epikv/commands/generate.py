@@ -72,13 +72,14 @@ def run(args) -> int:
     tty = sys.stderr.isatty()
 
     layers = layer_choice(lm.model, get_policy(args.policy, tau=args.tau, **settings))
-    announced = [not (layers and live)]
+    pending = bool(layers and live)  # the blocks note, still to print
 
     def announce():
         # only once the run has passed every check: a refused run prints its one error line and nothing else
-        if not announced[0]:
+        nonlocal pending
+        if pending:
             print(f"[{args.policy} reads {layers}]", file=sys.stderr)
-            announced[0] = True
+            pending = False
 
     def on_step(info):
         announce()
