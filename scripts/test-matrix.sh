@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine, cache (drop-in, hybrid), press and CLI tests against the other transformers versions epikv supports (default: the oldest
+# The engine, cache (drop-in, hybrid), press, CLI and serving tests against the other transformers versions epikv supports (default: the oldest
 # supported, 5.0.0, and 5.17.0, the lent GPU machines' version), after the main suite ran on .venv's version.
 #
 # Each version is an overlay: `transformers==X` with its own dependency closure (huggingface_hub, tokenizers ...)
@@ -21,7 +21,8 @@ if [ $# -gt 0 ]; then
     TESTS=("$@")
 else
     TESTS=()
-    for t in tests/test_engine.py tests/test_dropin.py tests/test_refill.py tests/test_hybrid.py tests/test_press.py tests/test_custom_policy.py tests/test_cli.py tests/test_speed_reference.py; do
+    for t in tests/test_engine.py tests/test_dropin.py tests/test_refill.py tests/test_hybrid.py tests/test_press.py tests/test_custom_policy.py tests/test_cli.py tests/test_speed_reference.py \
+             tests/test_serving.py tests/test_serving_versions.py tests/test_serving_http.py; do
         [ -f "$t" ] && TESTS+=("$t")
     done
 fi

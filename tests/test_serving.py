@@ -254,13 +254,23 @@ def test_served_policies_accepted(tiny):
 
 
 def test_internals_self_check(tiny, monkeypatch):
-    """The start-up check looks at signatures and behaviour, not a version string."""
-    from transformers.generation.continuous_batching.cache_allocators import cache_allocator, full_attention
+    """The start-up check looks at signatures and behaviour, not a version string (on either paged layout)."""
+    from epikv.serving.layout import LedgerLayout, layout_kind
 
+    if layout_kind() is LedgerLayout:  # 5.18+
+        from transformers.generation.continuous_batching.cache_allocators import cache_allocator, full_attention
+
+        release, label = (cache_allocator.BlockLedger, "release"), "BlockLedger.release(no_cache=...)"
+        fake = lambda self, block_id: True  # noqa: E731
+    else:  # 5.17
+        from transformers.generation.continuous_batching import cache_manager as full_attention
+
+        release, label = (full_attention.BlockManager, "free_blocks"), "BlockManager.free_blocks(shareable=...)"
+        fake = lambda self, blocks: None  # noqa: E731
     with monkeypatch.context() as mp:
-        mp.setattr(cache_allocator.BlockLedger, "release", lambda self, block_id: True)
-        msg = _one_line(lambda: check_serving(tiny.model, ServeSpec(**BASE)))
-        assert "BlockLedger.release(no_cache=...)" in msg
+        mp.setattr(*release, fake)
+        msg = _one_line(lambda: start_manager(tiny.model, ServeSpec(**BASE)))
+        assert label in msg, msg
     orig = full_attention.FullAttentionCacheAllocator.get_write_indices
     with monkeypatch.context() as mp:  # same signature, other behaviour: caught by the probe on the real cache
         mp.setattr(full_attention.FullAttentionCacheAllocator, "get_write_indices",

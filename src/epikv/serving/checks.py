@@ -23,8 +23,8 @@ class ServingUnsupported(EpiKVError):
     def __init__(self, missing: str, why: str = "") -> None:
         self.missing = missing
         super().__init__(f"transformers' continuous batching here lacks {missing}{': ' + why if why else ''}; "
-                         "serving with eviction needs the continuous-batching internals of transformers 5.25 (the "
-                         "version it is tested on; 5.17 and older lay out the paged cache differently)")
+                         "serving with eviction needs the continuous-batching internals of transformers 5.17 or 5.25 "
+                         "(the versions it is tested on)")
 
 
 @dataclass
@@ -176,8 +176,11 @@ def check_internals():
         from transformers.generation.continuous_batching import cache as cache_mod
     except ImportError as e:
         raise ServingUnsupported("transformers.generation.continuous_batching", type(e).__name__) from None
+    from .layout import layout_kind
+
+    kind = layout_kind()
     fields = cb_config_fields(ContinuousBatchingConfig)
-    for f in ("page_size", "num_blocks", "max_batch_tokens", "allow_block_sharing", "use_async_batching",
+    for f in (kind.page_field, "num_blocks", "max_batch_tokens", "allow_block_sharing", "use_async_batching",
               "use_cuda_graph", "scheduler_type"):
         if f not in fields:
             raise ServingUnsupported(f"ContinuousBatchingConfig.{f}")
@@ -210,23 +213,27 @@ def check_internals():
     fs = _need(req_mod, "FutureRequestState", "requests")
     _params(fs.__init__, "FutureRequestState.__init__", ("state", "has_new_token", "query_length"))
     pac = _need(cache_mod, "PagedAttentionCache", "cache")
-    for m in ("free_blocks", "cache_allocators"):
-        if m != "cache_allocators":
-            _need(pac, m, "PagedAttentionCache")
-    try:
+    _need(pac, "free_blocks", "PagedAttentionCache")
+    if kind.name == "cache_allocators":
         from transformers.generation.continuous_batching.cache_allocators import cache_allocator as ca_mod
         from transformers.generation.continuous_batching.cache_allocators import full_attention as fa_mod
-    except ImportError:
-        raise ServingUnsupported("cache_allocators.full_attention") from None
-    ledger = _need(ca_mod, "BlockLedger", "cache_allocator")
-    _params(ledger.release, "BlockLedger.release", ("block_id", "no_cache"))
-    fa = _need(fa_mod, "FullAttentionCacheAllocator", "full_attention")
-    _params(fa.get_read_indices, "FullAttentionCacheAllocator.get_read_indices",
-            ("request_id", "past_length", "query_length"))
-    _params(fa.get_write_indices, "FullAttentionCacheAllocator.get_write_indices",
-            ("request_id", "past_length", "query_length"))
-    _params(fa.allocate_cache_to_request, "FullAttentionCacheAllocator.allocate_cache_to_request",
-            ("request_id", "past_length", "query_length"))
+
+        ledger = _need(ca_mod, "BlockLedger", "cache_allocator")
+        _params(ledger.release, "BlockLedger.release", ("block_id", "no_cache"))
+        fa = _need(fa_mod, "FullAttentionCacheAllocator", "full_attention")
+        _params(fa.allocate_cache_to_request, "FullAttentionCacheAllocator.allocate_cache_to_request",
+                ("request_id", "past_length", "query_length"))
+    else:  # 5.17: cache_manager; a request's page count lives in its state too
+        from transformers.generation.continuous_batching import cache_manager as cm_mod
+
+        fa = _need(cm_mod, "FullAttentionCacheAllocator", "cache_manager")
+        _params(fa.allocate_blocks, "FullAttentionCacheAllocator.allocate_blocks",
+                ("n_blocks", "request_id", "block_manager"))
+        if "allocated_blocks" not in sfields:
+            raise ServingUnsupported("RequestState.allocated_blocks")
+    for m in ("get_read_indices", "get_write_indices"):
+        _params(_need(fa, m, "FullAttentionCacheAllocator"), f"FullAttentionCacheAllocator.{m}",
+                ("request_id", "past_length", "query_length"))
     return sched_mod, req_mod, ContinuousBatchingConfig
 
 
@@ -262,47 +269,37 @@ def check_serving(model, spec: ServeSpec):
 def probe_cache(cache, page: int) -> Any:
     """Exercise, on the real paged cache and before any request, every block operation eviction uses: allocate
     two pages for a probe request, drop the first one the way eviction does, check the free count and the write
-    slot, free the rest. Returns the full-attention allocator."""
-    from .evictor import drop_blocks
+    slot, free the rest. Returns the cache's Layout."""
+    from .layout import layout_for
 
-    allocs = getattr(cache, "cache_allocators", None)
-    if not isinstance(allocs, dict) or list(allocs) != ["full_attention"]:
-        raise ServingUnsupported("PagedAttentionCache.cache_allocators == {'full_attention': ...}",
-                                 f"found {list(allocs) if isinstance(allocs, dict) else type(allocs).__name__}")
-    alloc = allocs["full_attention"]
-    for a in ("block_table", "ledger", "pool", "index", "tokens_per_page", "block_physical_stride", "blocks_per_sector",
-              "_kv_token_views"):
-        _need(alloc, a, "FullAttentionCacheAllocator")
-    pool = _need(cache, "pool", "PagedAttentionCache")
-    for m in ("free_blocks", "try_to_free_sectors", "count_free_blocks", "allocate_sector", "num_free_sectors"):
-        _need(pool, m, "CachePool")
-    if alloc.tokens_per_page != page:
-        raise ServingUnsupported("page_size", f"the cache has pages of {alloc.tokens_per_page}, the spec {page}")
+    lay = layout_for(cache)
+    if lay.page_size != page:
+        raise ServingUnsupported("page size", f"the cache has pages of {lay.page_size}, the spec {page}")
     rid = "__epikv_probe__"
     try:
-        while pool.count_free_blocks(alloc.index) < 2:
-            if pool.num_free_sectors < 1:
-                raise EpiKVError("num_blocks is too small: the paged cache cannot hold 2 pages")
-            pool.allocate_sector(alloc.index)
-        free = lambda: pool.count_free_blocks(alloc.index) + pool.num_free_sectors * alloc.blocks_per_sector  # noqa
-        free0 = free()
-        alloc.allocate_cache_to_request(rid, 0, 2 * page)
-        table = list(alloc.block_table[rid])
-        if len(table) != 2 or free() != free0 - 2:
-            raise ServingUnsupported("allocate_cache_to_request", "did not take 2 pages for 2 pages of tokens")
-        w = alloc.get_write_indices(rid, page, 1)
-        if list(w) != [table[1] * alloc.block_physical_stride]:
+        free0 = lay.free_count()
+        if free0 < 2:
+            raise EpiKVError("num_blocks is too small: the paged cache cannot hold 2 pages")
+        lay.allocate(rid, 2 * page)
+        table = list(lay.block_table.get(rid, ()))
+        if len(table) != 2 or lay.free_count() != free0 - 2:
+            raise ServingUnsupported("block allocation", "did not take 2 pages for 2 pages of tokens")
+        w = lay.write_indices(rid, page, 1)
+        if list(w) != [table[1] * lay.stride()]:
             raise ServingUnsupported("get_write_indices", "slot of a token no longer follows past_length")
-        drop_blocks(cache, alloc, rid, [0])
-        if alloc.block_table[rid] != table[1:] or free() != free0 - 1:
-            raise ServingUnsupported("block_table / ledger.release / pool.free_blocks", "dropping a page did not "
-                                     "return it to the pool")
-        if list(alloc.get_write_indices(rid, 0, 1)) != [table[1] * alloc.block_physical_stride]:
+        lay.drop(rid, [0])
+        if lay.block_table[rid] != table[1:] or lay.free_count() != free0 - 1:
+            raise ServingUnsupported("block table / block release", "dropping a page did not return it to the pool")
+        if list(lay.write_indices(rid, 0, 1)) != [table[1] * lay.stride()]:
             raise ServingUnsupported("get_write_indices", "slots do not follow the block table after a drop")
-        k, v = alloc._kv_token_views[alloc.layer_indices[0]]
-        if k.dim() != 3:
-            raise ServingUnsupported("_kv_token_views", "not [tokens, kv_heads, head_dim] views")
+        if not lay.layers:
+            raise ServingUnsupported("full-attention layer indices", "none found")
+        k, v = lay.kv(lay.layers[0])
+        if k.dim() != 3 or k.shape[0] < lay.num_blocks * lay.stride():
+            raise ServingUnsupported("KV tensors", "not [slots, kv_heads, head_dim] over every page")
     finally:
         cache.free_blocks(rid)
-        pool.try_to_free_sectors()
-    return alloc
+        lay.tidy()
+    if lay.free_count() != free0:
+        raise ServingUnsupported("PagedAttentionCache.free_blocks", "freeing the probe did not return its pages")
+    return lay

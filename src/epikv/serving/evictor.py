@@ -3,7 +3,7 @@
 The policy code is the library's own: `on_tokens` scores the new tokens from a StepObservation, `keep` (with
 `page=B`, i.e. `policies.pages.page_keep`) picks whole pages. Here only the bookkeeping differs: the stored tokens
 live in the request's pages of transformers' paged cache, so dropping a page is taking its id out of the request's
-block table and giving it back to the pool.
+block table and giving it back to the pool (`Layout.drop`, serving/layout.py).
 """
 
 from __future__ import annotations
@@ -17,23 +17,10 @@ from ..errors import EpiKVError
 from ..policies import CacheView, Policy, StepObservation
 
 
-def drop_blocks(cache, alloc, request_id: str, page_indices: list[int]) -> int:
-    """Take the pages at these positions of the request's block table out of it and return them to the pool (as
-    the allocator's own free_blocks does for a whole request). Returns how many blocks went back."""
-    table = alloc.block_table[request_id]
-    drop = set(page_indices)
-    gone = [b for i, b in enumerate(table) if i in drop]
-    table[:] = [b for i, b in enumerate(table) if i not in drop]  # in place: the allocator holds this list
-    freed = [b for b in gone if alloc.ledger.release(b, no_cache=True)]
-    alloc.pool.free_blocks(alloc.index, freed)
-    cache.pool.try_to_free_sectors()
-    return len(freed)
-
-
-def _kv_rows(alloc, request_id: str, start: int, stop: int, layers) -> tuple[list, list]:
+def _kv_rows(lay, request_id: str, start: int, stop: int, layers) -> tuple[list, list]:
     """The request's stored keys and values of slots start..stop-1, per layer [1, kv_heads, n, head_dim]."""
-    idx = alloc.get_read_indices(request_id, 0, stop)[start:]
-    k_views = [alloc._kv_token_views[l] for l in layers]
+    idx = lay.read_indices(request_id, stop)[start:]
+    k_views = [lay.kv(l) for l in layers]
     ix = torch.tensor(idx, dtype=torch.long, device=k_views[0][0].device)
     keys = [kv[0].index_select(0, ix).permute(1, 0, 2).unsqueeze(0) for kv in k_views]
     values = [kv[1].index_select(0, ix).permute(1, 0, 2).unsqueeze(0) for kv in k_views]
@@ -87,7 +74,7 @@ class Track:
     def due(self, policy: Policy, n: int, budget: int) -> bool:
         return policy.evicts and policy.should_evict(n, budget, n - self.len_after_evict, n - self.prefix)
 
-    def evict(self, policy: Policy, cache, alloc, state, budget: int, recent: int, kv: "KVReader") -> int:
+    def evict(self, policy: Policy, lay, state, budget: int, recent: int, kv: "KVReader") -> int:
         """Drop the pages policy.keep leaves out; returns the blocks given back. `state` is transformers'
         RequestState, whose position_offset (the stored count, which slots, writes and admission follow) is lowered
         by the tokens dropped."""
@@ -105,12 +92,12 @@ class Track:
         n_pages = -(-n // page)
         kept = sorted(set((keep[0] // page).tolist()))
         last = n - (n_pages - 1) * page
-        table = alloc.block_table.get(state.request_id, [])
+        table = lay.block_table.get(state.request_id, [])
         if len(table) != n_pages or kept[-1] != n_pages - 1 or m != (len(kept) - 1) * page + last:
             raise EpiKVError(f"serving: the keep set of request {state.request_id} is not whole pages of its "
                              f"{len(table)}-page table ({n} tokens, {m} kept)")
         kept_set = set(kept)
-        freed = drop_blocks(cache, alloc, state.request_id, [p for p in range(n_pages) if p not in kept_set])
+        freed = lay.drop(state.request_id, [p for p in range(n_pages) if p not in kept_set], state)
         state.position_offset = m
         for key, x in self.token_data.items():
             idx = keep
@@ -127,20 +114,20 @@ class KVReader:
     """What a policy reads of one request's keys / values in the paged cache (Observes.keys_values: every stored
     slot; arriving_kv: the new ones), as per-layer [1, kv_heads, n, head_dim] tensors."""
 
-    def __init__(self, alloc, request_id: str, layers, obs, policy: Policy) -> None:
-        self.alloc, self.rid, self.layers = alloc, request_id, layers
+    def __init__(self, lay, request_id: str, obs, policy: Policy) -> None:
+        self.lay, self.rid, self.layers = lay, request_id, lay.layers
         self.needs_all = bool(obs.keys_values)
         self.arriving = bool(obs.arriving_kv) and not self.needs_all
         # full keys at on_tokens only for a policy that scores on arrival (lag-kv reads them at eviction only)
         self.all_on_step = self.needs_all and type(policy).on_tokens is not Policy.on_tokens
-        self.kv_heads = getattr(alloc, "num_key_value_heads", 0)
+        self.kv_heads = lay.kv_heads
 
     def step(self, n_old: int, t: int) -> tuple[list, list]:
         if self.all_on_step:
-            return _kv_rows(self.alloc, self.rid, 0, n_old + t, self.layers)
+            return _kv_rows(self.lay, self.rid, 0, n_old + t, self.layers)
         if self.arriving:
-            return _kv_rows(self.alloc, self.rid, n_old, n_old + t, self.layers)
+            return _kv_rows(self.lay, self.rid, n_old, n_old + t, self.layers)
         return [], []
 
     def all(self, n: int) -> tuple[list, list]:
-        return _kv_rows(self.alloc, self.rid, 0, n, self.layers)
+        return _kv_rows(self.lay, self.rid, 0, n, self.layers)

@@ -43,7 +43,7 @@ class Runtime:
         self.batch: list[tuple[str, Any, int, int]] | None = None  # (request id, state, stored before, new tokens)
         self.open = False
         self.hidden: dict[int, torch.Tensor] = {}
-        self.scheduler = self.cache = self.alloc = self.manager = None
+        self.scheduler = self.cache = self.lay = self.manager = None
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
         self.checked_cu = False
@@ -121,11 +121,11 @@ class Runtime:
         return None
 
     def kv(self, rid: str) -> KVReader:
-        return KVReader(self.alloc, rid, self.alloc.layer_indices, self.obs, self.policy)
+        return KVReader(self.lay, rid, self.obs, self.policy)
 
     # -- scheduler side ------------------------------------------------------------------------------------------
     def attach(self, scheduler, cache) -> None:
-        self.alloc = probe_cache(cache, self.spec.page)
+        self.lay = probe_cache(cache, self.spec.page)
         self.scheduler, self.cache = scheduler, cache
 
     def new_track(self, state) -> Track:
@@ -161,7 +161,7 @@ class Runtime:
                 self.stats["evicted"][rid] = tr.evicted
 
     def pages_in_use(self) -> int:
-        return sum(len(t) for t in self.alloc.block_table.values()) if self.alloc is not None else 0
+        return sum(len(t) for t in self.lay.block_table.values()) if self.lay is not None else 0
 
 
 def scheduler_class():
@@ -243,7 +243,7 @@ def scheduler_class():
                                                                                rt.budget):
                         continue
                     try:
-                        freed = tr.evict(rt.policy, self.cache, rt.alloc, state, rt.budget, rt.recent, rt.kv(rid))
+                        freed = tr.evict(rt.policy, rt.lay, state, rt.budget, rt.recent, rt.kv(rid))
                     except EpiKVError as e:
                         rt.fail(self, state, str(e))
                         continue
@@ -266,7 +266,7 @@ def scheduler_class():
                 rt.loop_thread = threading.get_ident()
             st = rt.stats
             st["steps"] += 1
-            holding = sum(1 for rid, t in rt.alloc.block_table.items() if t)  # requests whose KV is in the cache
+            holding = sum(1 for rid, t in rt.lay.block_table.items() if t)  # requests whose KV is in the cache
             st["max_in_flight"] = max(st["max_in_flight"], holding)
             if scheduled:  # how many requests hold pages, per forward (a histogram: bounded memory)
                 rt.in_flight_hist[holding] = rt.in_flight_hist.get(holding, 0) + 1
@@ -281,10 +281,13 @@ def scheduler_class():
 
 
 def _cb_config(spec: ServeSpec):
+    from .layout import layout_kind
+
     _, _, CBConfig = check_internals()
-    kw = dict(page_size=spec.page, num_blocks=spec.num_blocks, max_batch_tokens=spec.max_batch_tokens,
+    kw = dict(num_blocks=spec.num_blocks, max_batch_tokens=spec.max_batch_tokens,
               allow_block_sharing=False, use_async_batching=False, use_cuda_graph=False,
               scheduler_type=SCHEDULER_KEY)
+    kw[layout_kind().page_field] = spec.page  # page_size (5.18+) or block_size (5.17)
     kw.update(spec.cb or {})
     try:
         return CBConfig(**kw)
@@ -376,7 +379,7 @@ def serving_stats(manager) -> dict:
         if 2 * acc >= steps:
             st["in_flight_p50"] = k
             break
-    st["num_blocks"] = rt.alloc.num_blocks if rt.alloc is not None else None
+    st["num_blocks"] = rt.lay.num_blocks if rt.lay is not None else None
     st["policy"], st["budget"], st["page"] = rt.policy.name, rt.budget, rt.spec.page
     return st
 
