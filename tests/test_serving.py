@@ -101,11 +101,16 @@ def test_pages_really_return(tiny):
     assert epi["in_flight_mean"] > 1.5 * full["in_flight_mean"]
     assert epi["steps"] < full["steps"]
     assert full["pages_freed"] == 0 and full["evictions"] == 0
+    # in flight while the cache was full: full's cache held requests back (preempted, waiting), epikv's never did
+    # (its ramp-up forwards were full of prompt tokens, not short of pages)
+    assert full["cache_full_steps"] > 0 and full["in_flight_cache_full_mean"] < len(prompts)
+    assert epi["cache_full_steps"] == 0 and epi["in_flight_cache_full_mean"] is None
     # a cache too small even for epikv: requests are soft reset (re-prefilled from prompt + tokens so far, their
     # score state started over) and still all complete
     tight_out, tight = run_batch(tiny.model, ServeSpec(policy="epikv", budget=64, recency=16,
                                                        **{**common, "num_blocks": 40}), prompts, 200)
     assert tight["soft_resets"] > 0 and all(len(o) == 200 for o in tight_out)
+    assert tight["cache_full_steps"] > 0 and 1 <= tight["in_flight_cache_full_mean"] < len(prompts)
     # one request alone: its pages never exceed budget + the page being written (+ the one tau fills)
     _, one = run_batch(tiny.model, ServeSpec(policy="epikv", budget=64, recency=16, **common), prompts[:1], 120)
     assert one["peak_pages"] <= 64 // 8 + 1
@@ -296,3 +301,20 @@ def test_smollm2_equivalence(smollm2):
         ref = generate(smollm2.model, tok, [p], policy="epikv", budget=32, max_new_tokens=40, page=8, recent=8,
                        eos_token_ids=[])
         assert o == ref.token_ids[0]
+
+
+def test_cache_bound_forwards_and_their_histogram():
+    """A forward counts as cache-bound only when it had room for more tokens and more requests (so a waiting request
+    was held back by pages); the histogram's mean and median are the plain ones."""
+    from types import SimpleNamespace as NS
+
+    from epikv.serving.scheduler import _mean_p50, cache_bound
+
+    fwd = [NS(query_length=1)] * 5 + [NS(query_length=40)]  # 5 decoding requests and one prefill chunk: 45 tokens
+    assert cache_bound(fwd, 46, None) and cache_bound(fwd, 46, 7)
+    assert not cache_bound(fwd, 45, None)  # the token budget was spent: a waiting prompt waits for tokens
+    assert not cache_bound(fwd, 64, 6)  # as many requests as a batch may hold
+    assert _mean_p50({}) == (None, None, 0)
+    assert _mean_p50({3: 1, 5: 2, 9: 1}) == (5.5, 5, 4)
+    assert _mean_p50({2: 3, 10: 1}) == (4.0, 2, 4)
+    assert _mean_p50({2: 2, 10: 2}) == (6.0, 2, 4)  # the lower median, as the in-flight median always was

@@ -192,6 +192,8 @@ def summarize(row: Row, res: dict, stats: dict, requests: int, concurrency: int,
         "ttft_p50_s": rnd(percentile(ttft, 0.5), 2), "ttft_p95_s": rnd(percentile(ttft, 0.95), 2),
         "max_in_flight": eng.get("max_in_flight"), "in_flight_mean": rnd(eng.get("in_flight_mean"), 2),
         "in_flight_p50": eng.get("in_flight_p50"), "http_max_in_flight": stats.get("http", {}).get("max_in_flight"),
+        "in_flight_cache_full_mean": rnd(eng.get("in_flight_cache_full_mean"), 2),
+        "cache_full_steps": eng.get("cache_full_steps"),
         "peak_pages": eng.get("peak_pages"), "num_blocks": eng.get("num_blocks"),
         "evictions": eng.get("evictions"), "pages_freed": eng.get("pages_freed"),
         "preemptions": eng.get("preemptions"), "offloads": eng.get("offloads"), "soft_resets": eng.get("soft_resets"),
@@ -305,13 +307,35 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
     b = len(prompts_ids)
     pages = sum(-(-(len(p) + max_new) // page) + 1 for p in prompts_ids)  # every request at full length fits
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)
+    device = model.get_input_embeddings().weight.device
+    ids, n_pad = left_pad([list(p) for p in prompts_ids], 0)  # [batch, width]
+    mask = torch.ones_like(ids)
+    for i, n in enumerate(n_pad):
+        mask[i, :n] = 0
+    ids, mask = ids.to(device), mask.to(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # untimed warm-up of both engines (first kernel launches, allocator, lazy imports), so that the row timed
+    # first does not pay them
+    run_batch(model, ServeSpec(policy="full", page=page, num_blocks=pages, max_batch_tokens=max_batch_tokens),
+              prompts_ids[:2], 4, generation_config=GenerationConfig(do_sample=False, max_new_tokens=4,
+                                                                     eos_token_id=-1, pad_token_id=0), timeout=600)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)
+    sync()
     out = []
     for rep in range(repeats):
         for row in rows:
             spec = ServeSpec(policy=row.policy, settings=settings_of(row), budget=row.budget, page=page,
                              num_blocks=pages, max_batch_tokens=max_batch_tokens)
+            sync()
             t0 = time.perf_counter()
             toks, st = run_batch(model, spec, prompts_ids, max_new, generation_config=gc, timeout=3600)
+            sync()
             wall = time.perf_counter() - t0
             n = sum(len(t) for t in toks)
             steps = st.get("steps") or max_new
@@ -321,14 +345,12 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
                         "max_batch": st.get("max_batch"), "peak_pages": st.get("peak_pages")})
             say(f"  equal batch {b}: {row.label} (engine) {out[-1]['tokens_per_s']} tok/s, "
                 f"{out[-1]['ms_per_step']} ms/step")
-        ids, n_pad = left_pad([list(p) for p in prompts_ids], 0)  # [batch, width]
-        mask = torch.ones_like(ids)
-        for i, n in enumerate(n_pad):
-            mask[i, :n] = 0
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             seq = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                                  do_sample=False, pad_token_id=0, eos_token_id=None)
+        sync()
         wall = time.perf_counter() - t0
         n = (seq.shape[1] - ids.shape[1]) * b
         out.append({"engine": "padded model.generate", "label": "full (generate)", "batch": b, "new_tokens": max_new,
@@ -341,12 +363,15 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
 
 # ---------------------------------------------------------------------- reporting
 def table(rows: list[dict], eq: list[dict]) -> str:
-    lines = ["| policy | completed | in flight max / mean / median | tokens/s | tokens per forward | "
-             "latency p50 / p95 (s) | TTFT p50 (s) | peak pages / blocks | preemptions | evictions |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    if not rows:  # the equal-batch part alone
+        return "\n".join(_eq_lines(eq)).lstrip("\n") + "\n"
+    lines = ["| policy | completed | in flight max / mean / median | in flight, cache full | tokens/s | "
+             "tokens per forward | latency p50 / p95 (s) | TTFT p50 (s) | peak pages / blocks | preemptions | "
+             "evictions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['completed']}/{r['requests']} | {r['max_in_flight']} / "
-                     f"{r['in_flight_mean']} / {r['in_flight_p50']} | {r['tokens_per_s']} | "
+                     f"{r['in_flight_mean']} / {r['in_flight_p50']} | {_cache_full(r)} | {r['tokens_per_s']} | "
                      f"{_per_forward(r)} | "
                      f"{r['latency_p50_s']} / {r['latency_p95_s']} | "
                      f"{r['ttft_p50_s']} | {r['peak_pages']} / {r['num_blocks']} | {r['preemptions']} | "
@@ -362,7 +387,17 @@ def table(rows: list[dict], eq: list[dict]) -> str:
                          f"median, {r['max_in_flight'] / full['max_in_flight']:.2f}x its max), "
                          f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x its tokens/s"
                          + (f", {_per_forward(r) / _per_forward(full):.2f}x its tokens per forward"
-                            if _per_forward(r) and _per_forward(full) else ""))
+                            if _per_forward(r) and _per_forward(full) else "")
+                         + _cache_full_ratio(r, full))
+        lines += ["", "In flight, cache full: the mean number of requests holding pages over the forwards in which "
+                      "a request waited for pages (the forward had room for its tokens); what the cache holds when "
+                      "it is the limit, without the ramp-up and the tail. 'never full': every request fitted at once "
+                      "(that many is a lower bound on what the cache holds)."]
+    return "\n".join(lines + _eq_lines(eq)) + "\n"
+
+
+def _eq_lines(eq: list[dict]) -> list[str]:
+    lines: list[str] = []
     if eq:
         lines += ["", "Equal batch (in process, forced length):", "",
                   "| engine | policy | batch | tokens/s | ms per step |", "|---|---|---|---|---|"]
@@ -378,7 +413,26 @@ def table(rows: list[dict], eq: list[dict]) -> str:
                                  f"full at batch {f['batch']}" if e["engine"] == "continuous batching" else
                                  f"- padded model.generate: {e['tokens_per_s'] / f['tokens_per_s']:.2f}x the "
                                  f"engine's full tokens/s at batch {f['batch']}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _cache_full(r: dict) -> str:
+    """The table's 'in flight, cache full' cell: the mean over the forwards in which the cache held a request back,
+    with how many forwards that was; 'never full' (lower bound: all requests) when it never did."""
+    if "cache_full_steps" not in r:
+        return "-"  # a row recorded before this measure existed
+    if not r.get("cache_full_steps"):
+        return f"never full (>= {r['max_in_flight']})"
+    return f"{r['in_flight_cache_full_mean']} ({r['cache_full_steps']} fwd)"
+
+
+def _cache_full_ratio(r: dict, full: dict) -> str:
+    f = full.get("in_flight_cache_full_mean")
+    if not f or "cache_full_steps" not in r:
+        return ""
+    if not r.get("cache_full_steps"):
+        return f"; the cache never held it back: >= {r['max_in_flight'] / f:.2f}x full's in flight when its cache was full"
+    return f"; {r['in_flight_cache_full_mean'] / f:.2f}x full's in flight when the cache was full"
 
 
 def _per_forward(r: dict):
@@ -410,9 +464,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(1, 4, figsize=(15, 3.6))
     x = range(len(rows))
     ax[0].bar(x, [r["max_in_flight"] or 0 for r in rows], color="#bbb", label="max")
-    ax[0].bar(x, [r["in_flight_mean"] or 0 for r in rows], color="#3a7", width=0.5, label="mean")
+    ax[0].bar([i - 0.13 for i in x], [r["in_flight_mean"] or 0 for r in rows], color="#3a7", width=0.25,
+              label="mean")
+    ax[0].bar([i + 0.13 for i in x], [r.get("in_flight_cache_full_mean") or (r["max_in_flight"] or 0
+                                      if r.get("cache_full_steps") == 0 else 0) for r in rows],
+              color="#37a", width=0.25, label="cache full (never full: all)")
     ax[0].set_title("requests in flight (engine)")
-    ax[0].legend(fontsize=8)
+    ax[0].legend(fontsize=7, loc="lower left", framealpha=0.9)
     ax[1].bar(x, [r["tokens_per_s"] or 0 for r in rows], color="#37a")
     ax[1].set_title("aggregate tokens/s")
     ax[2].bar(x, [_per_forward(r) or 0 for r in rows], color="#a73")

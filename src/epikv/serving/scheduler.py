@@ -46,6 +46,7 @@ class Runtime:
         self.scheduler = self.cache = self.lay = self.manager = None
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
+        self.cache_full_hist: dict[int, int] = {}  # the same, over the forwards in which the cache held a request back
         self.checked_cu = False
         self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
@@ -270,6 +271,9 @@ def scheduler_class():
             st["max_in_flight"] = max(st["max_in_flight"], holding)
             if scheduled:  # how many requests hold pages, per forward (a histogram: bounded memory)
                 rt.in_flight_hist[holding] = rt.in_flight_hist.get(holding, 0) + 1
+                if self.waiting_requests and cache_bound(scheduled, token_budget,
+                                                         getattr(self, "max_requests_per_batch", None)):
+                    rt.cache_full_hist[holding] = rt.cache_full_hist.get(holding, 0) + 1
             st["max_batch"] = max(st.get("max_batch", 0), len(scheduled or ()))
             st["pages_in_use"] = rt.pages_in_use()
             st["peak_pages"] = max(st["peak_pages"], st["pages_in_use"])
@@ -278,6 +282,27 @@ def scheduler_class():
     sched_mod.SCHEDULER_MAPPING[SCHEDULER_KEY] = EpiKVScheduler
     _CLASS = EpiKVScheduler
     return _CLASS
+
+
+def cache_bound(scheduled, token_budget: int, max_requests: int | None) -> bool:
+    """Whether a forward that left a request waiting did so for want of pages: it had room for more tokens and
+    more requests, so the waiting request was not admitted (or was preempted) because the cache was full."""
+    tokens = sum(fs.query_length for fs in scheduled)
+    return tokens < token_budget and (max_requests is None or len(scheduled) < max_requests)
+
+
+def _mean_p50(hist: dict[int, int]) -> tuple[float | None, int | None, int]:
+    """Mean and median of a histogram {value: count}, and its count (None, None, 0 when empty)."""
+    items = sorted(hist.items())
+    n = sum(c for _, c in items)
+    if not n:
+        return None, None, 0
+    acc = 0
+    for k, c in items:
+        acc += c
+        if 2 * acc >= n:
+            return sum(k * c for k, c in items) / n, k, n
+    raise AssertionError("unreachable")
 
 
 def _cb_config(spec: ServeSpec):
@@ -368,17 +393,14 @@ def serving_stats(manager) -> dict:
         evicted[rid] = tr.evicted
     st["evicted"] = evicted
     st["preemptions"] = st["offloads"] + st["soft_resets"]
-    hist = sorted(rt.in_flight_hist.items())
-    steps = sum(c for _, c in hist)
     # requests holding pages, over the forwards: the mean and median say what the cache sustains; the max is
     # often the first burst of prompts, admitted before any of them has grown
-    st["in_flight_mean"] = sum(k * c for k, c in hist) / steps if steps else 0.0
-    acc, st["in_flight_p50"] = 0, 0
-    for k, c in hist:
-        acc += c
-        if 2 * acc >= steps:
-            st["in_flight_p50"] = k
-            break
+    mean, p50, _ = _mean_p50(rt.in_flight_hist)
+    st["in_flight_mean"], st["in_flight_p50"] = mean or 0.0, p50 or 0
+    # the same over the forwards in which a request waited for pages: what the cache holds when it is the limit,
+    # free of the ramp-up and of the tail (the last requests running alone); None when the cache never was the limit
+    st["in_flight_cache_full_mean"], st["in_flight_cache_full_p50"], st["cache_full_steps"] = \
+        _mean_p50(rt.cache_full_hist)
     st["num_blocks"] = rt.lay.num_blocks if rt.lay is not None else None
     st["policy"], st["budget"], st["page"] = rt.policy.name, rt.budget, rt.spec.page
     return st
