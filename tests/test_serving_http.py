@@ -322,3 +322,45 @@ def test_bench_summary_counts_cut_requests():
     assert s["generated_tokens"] == 19 and s["tokens_per_s"] == 9.5  # the cut request's 3 tokens count
     assert s["latency_p50_s"] == 3.0 and s["ms_per_step"] == 200.0 and s["label"] == "epikv K=64"
     assert percentile([1, 2, 3, 4], 0.95) == pytest.approx(3.85) and percentile([], 0.5) is None
+
+
+def test_bench_table_in_flight_when_the_cache_was_full():
+    """The 'in flight, cache full' cell and ratio: a mean over the cache-bound forwards, 'never full' (a lower bound,
+    all requests) when there were none, '-' for a row recorded before the measure; an equal-batch part alone prints
+    without the serve table."""
+    from epikv.bench.serve import table
+
+    base = dict(completed=4, requests=4, in_flight_p50=2, tokens_per_s=10.0, latency_p50_s=1, latency_p95_s=2,
+                ttft_p50_s=0.1, peak_pages=9, num_blocks=9, preemptions=0, evictions=0, generated_tokens=40, steps=10)
+    full = dict(base, label="full", policy="full", max_in_flight=4, in_flight_mean=2.0, in_flight_cache_full_mean=2.5,
+                cache_full_steps=7)
+    k = dict(base, label="epikv K=64", policy="epikv", max_in_flight=8, in_flight_mean=7.0,
+             in_flight_cache_full_mean=None, cache_full_steps=0)
+    k2 = dict(k, label="epikv K=96", in_flight_cache_full_mean=5.0, cache_full_steps=3)
+    old = {x: y for x, y in k.items() if x not in ("in_flight_cache_full_mean", "cache_full_steps")}
+    text = table([full, k, k2, dict(old, label="old")], [])
+    assert "| full | 4/4 | 4 / 2.0 / 2 | 2.5 (7 fwd) |" in text
+    assert "| epikv K=64 | 4/4 | 8 / 7.0 / 2 | never full (>= 8) |" in text
+    assert "| old | 4/4 | 8 / 7.0 / 2 | - |" in text
+    assert ">= 3.20x full's in flight when its cache was full" in text  # 8 / 2.5
+    assert "; 2.00x full's in flight when the cache was full" in text  # 5.0 / 2.5
+    eq = [{"engine": "continuous batching", "label": "full", "batch": 2, "tokens_per_s": 10.0, "ms_per_step": 100.0},
+          {"engine": "continuous batching", "label": "epikv K=64", "batch": 2, "tokens_per_s": 8.0,
+           "ms_per_step": 125.0}]
+    alone = table([], eq)
+    assert alone.startswith("Equal batch") and "| policy | completed" not in alone
+    assert "epikv K=64: per-step time 1.25x the engine's full at batch 2" in alone
+
+
+def test_serve_equal_batch_script(tmp_path):
+    """benchmarks/serve_equal_batch.py (the GPU per-step comparison at a preset's shape) runs end to end on CPU."""
+    out = tmp_path / "eq.jsonl"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_equal_batch.py"
+    r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+                        "--batch", "2", "--prompt", "16", "--new", "96", "--budgets", "64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["label"] for x in recs] == ["full", "epikv K=64", "full (generate)"]
+    assert all(x["tokens"] == 2 * 96 and x["preset"] == "tiny" for x in recs)
+    assert "| continuous batching | epikv K=64 | 2 |" in r.stdout
