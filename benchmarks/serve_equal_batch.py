@@ -3,8 +3,9 @@
 B requests of random prompt tokens, forced to N new tokens, run together through the engine (`epikv.serving`) under
 full and under epikv at each budget, and through padded `model.generate`, after an untimed warm-up, interleaved
 over --repeats. Per-step time depends on the shapes, not on the weights, so a random model of a preset's shape
-(models.PRESETS, e.g. llama-8b) stands in for the real one where its weights are not at hand. Writes the records
-(JSON lines, one per timed run, as each finishes) and prints the equal-batch table of `epikv bench serve`.
+(models.PRESETS, e.g. llama-8b) stands in for the real one where its weights are not at hand. Appends the records
+(JSON lines, one per timed run, once all have run) to --out and prints the equal-batch table of `epikv bench serve`.
+Bad arguments or settings the engine refuses: one line, exit 2.
 
   python benchmarks/serve_equal_batch.py --preset llama-8b --device cuda --batch 16 --prompt 64 --new 256 \\
       --budgets 128,256 --out results.jsonl
@@ -20,34 +21,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from epikv.bench.serve import Row, equal_batch, table  # noqa: E402
-from epikv.models import PRESETS  # noqa: E402
+from epikv.commands.common import int_list, out_file, positive_int  # noqa: E402
+from epikv.errors import EpiKVError  # noqa: E402
+from epikv.models import PRESETS, check_device, random_model  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-8b", choices=sorted(PRESETS))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--new", type=int, default=256, help="tokens generated per request (forced)")
-    p.add_argument("--budgets", default="128,256")
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--max-batch-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", required=True, help="JSON lines, appended")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens per request")
+    p.add_argument("--new", type=positive_int, default=256, help="tokens generated per request (forced)")
+    p.add_argument("--budgets", type=int_list, default=[128, 256])
+    p.add_argument("--page", type=positive_int, default=16)
+    p.add_argument("--max-batch-tokens", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=1)
+    p.add_argument("--out", required=True, type=out_file, help="JSON lines, appended")
     a = p.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(PRESETS[a.preset])
-    cfg = AutoConfig.for_model(kw.pop("arch"), **kw)
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 2
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype)).eval()
+    check_device(a.device)
+    model = random_model(a.preset, getattr(torch, a.dtype), a.device).eval()
+    vocab = model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, cfg.vocab_size, (a.prompt,), generator=g).tolist() for _ in range(a.batch)]
-    rows = [Row("full", None)] + [Row("epikv", int(k)) for k in a.budgets.split(",")]
+    prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(a.batch)]
+    rows = [Row("full", None)] + [Row("epikv", k) for k in a.budgets]
     out = Path(a.out)
     head = {"preset": a.preset, "device": a.device, "dtype": a.dtype, "batch": a.batch, "prompt": a.prompt,
             "new": a.new, "page": a.page, "max_batch_tokens": a.max_batch_tokens,
@@ -68,4 +66,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except EpiKVError as e:
+        print(f"serve_equal_batch: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -364,3 +364,10 @@ def test_serve_equal_batch_script(tmp_path):
     assert [x["label"] for x in recs] == ["full", "epikv K=64", "full (generate)"]
     assert all(x["tokens"] == 2 * 96 and x["preset"] == "tiny" for x in recs)
     assert "| continuous batching | epikv K=64 | 2 |" in r.stdout
+    # a budget the engine refuses: one line, exit 2, before any row has run (nothing appended)
+    bad = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+                          "--batch", "2", "--prompt", "16", "--new", "8", "--budgets", "64,48", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [x for x in bad.stderr.splitlines() if x.strip() and "Skipping" not in x]
+    assert bad.returncode == 2 and len(lines) == 1 and "budget 48 is under 4 pages" in lines[0], bad.stderr
+    assert "equal batch" not in bad.stdout and len(out.read_text().splitlines()) == len(recs)

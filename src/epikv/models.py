@@ -107,8 +107,10 @@ def smollm2_folder() -> Path:
     return out
 
 
-def _random_model(spec: str, dtype: torch.dtype, device: str | None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def random_model(spec: str, dtype: torch.dtype, device: str | None) -> torch.nn.Module:
+    """A randomly initialised model of a preset's shape (`<preset>[:seed]`), without a tokenizer: where only the
+    shapes matter (per-step timing) and SmolLM2's tokenizer may not be at hand."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     parts = spec.split(":")
     preset = parts[0]
@@ -124,9 +126,14 @@ def _random_model(spec: str, dtype: torch.dtype, device: str | None):
     cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 2  # SmolLM2 tokenizer's ids
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    tok = AutoTokenizer.from_pretrained(smollm2_folder())
-    return model, tok
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def _random_model(spec: str, dtype: torch.dtype, device: str | None):
+    from transformers import AutoTokenizer
+
+    model = random_model(spec, dtype, device)
+    return model, AutoTokenizer.from_pretrained(smollm2_folder())
 
 
 def check_device(device: str | None) -> None:

@@ -303,9 +303,18 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
 
     from ..engine import left_pad
     from ..serving import ServeSpec, run_batch
+    from ..serving.checks import check_serving
 
     b = len(prompts_ids)
     pages = sum(-(-(len(p) + max_new) // page) + 1 for p in prompts_ids)  # every request at full length fits
+    specs = [ServeSpec(policy=row.policy, settings=settings_of(row), budget=row.budget, page=page, num_blocks=pages,
+                       max_batch_tokens=max_batch_tokens) for row in rows]
+    for spec in specs:  # every refusal before any timing, not after the rows before it have run
+        pol = check_serving(model, spec)
+        if pol.evicts:
+            why = pol.protected_overflow(spec.budget, pol.recent_window(spec.budget), max(map(len, prompts_ids)))
+            if why:
+                raise EpiKVError(why)
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)
     device = model.get_input_embeddings().weight.device
     ids, n_pad = left_pad([list(p) for p in prompts_ids], 0)  # [batch, width]
@@ -329,9 +338,7 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
     sync()
     out = []
     for rep in range(repeats):
-        for row in rows:
-            spec = ServeSpec(policy=row.policy, settings=settings_of(row), budget=row.budget, page=page,
-                             num_blocks=pages, max_batch_tokens=max_batch_tokens)
+        for row, spec in zip(rows, specs):
             sync()
             t0 = time.perf_counter()
             toks, st = run_batch(model, spec, prompts_ids, max_new, generation_config=gc, timeout=3600)
@@ -426,13 +433,21 @@ def _cache_full(r: dict) -> str:
     return f"{r['in_flight_cache_full_mean']} ({r['cache_full_steps']} fwd)"
 
 
+def _held(r: dict):
+    """What the cache held when it was the limit: the cache-full mean, or every request (max in flight) when it
+    never was; None for a row recorded before the measure."""
+    if "cache_full_steps" not in r:
+        return None
+    return r["in_flight_cache_full_mean"] if r["cache_full_steps"] else r["max_in_flight"]
+
+
 def _cache_full_ratio(r: dict, full: dict) -> str:
     f = full.get("in_flight_cache_full_mean")
-    if not f or "cache_full_steps" not in r:
+    if not f or _held(r) is None:
         return ""
-    if not r.get("cache_full_steps"):
-        return f"; the cache never held it back: >= {r['max_in_flight'] / f:.2f}x full's in flight when its cache was full"
-    return f"; {r['in_flight_cache_full_mean'] / f:.2f}x full's in flight when the cache was full"
+    ratio = f"{_held(r) / f:.2f}x full's in flight when"
+    return f"; {ratio} the cache was full" if r["cache_full_steps"] else \
+        f"; the cache never held it back: >= {ratio} its cache was full"
 
 
 def _per_forward(r: dict):
@@ -466,9 +481,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax[0].bar(x, [r["max_in_flight"] or 0 for r in rows], color="#bbb", label="max")
     ax[0].bar([i - 0.13 for i in x], [r["in_flight_mean"] or 0 for r in rows], color="#3a7", width=0.25,
               label="mean")
-    ax[0].bar([i + 0.13 for i in x], [r.get("in_flight_cache_full_mean") or (r["max_in_flight"] or 0
-                                      if r.get("cache_full_steps") == 0 else 0) for r in rows],
-              color="#37a", width=0.25, label="cache full (never full: all)")
+    ax[0].bar([i + 0.13 for i in x], [_held(r) or 0 for r in rows], color="#37a", width=0.25,
+              label="cache full (never full: all)")
     ax[0].set_title("requests in flight (engine)")
     ax[0].legend(fontsize=7, loc="lower left", framealpha=0.9)
     ax[1].bar(x, [r["tokens_per_s"] or 0 for r in rows], color="#37a")
