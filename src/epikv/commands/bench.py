@@ -26,19 +26,19 @@ def register(sub) -> None:
     add_model_args(s)
     add_policy_args(s, multi=True)
     s.add_argument("--taus", type=int_list, default=[1, 128], help="eviction intervals to time (default 1,128)")
-    s.add_argument("--gen-tokens", type=positive_int, default=512, help="timed decode steps per config and budget")
+    s.add_argument("--gen-tokens", type=positive_int, default=512, help="timed decode steps per config and budget (default 512)")
     s.add_argument("--round-steps", type=positive_int, default=None,
                    help="steps per interleaved round (default: the largest tau)")
-    s.add_argument("--prompt-tokens", type=positive_int, default=64, help="protected prompt length")
+    s.add_argument("--prompt-tokens", type=positive_int, default=64, help="protected prompt length (default 64)")
     s.add_argument("--long-lengths", type=int_list, default=[512, 1024, 2048],
-                   help="checkpoints (generated tokens) of the long generations")
-    s.add_argument("--long-policies", type=name_list, default=["full", "epikv"])
+                   help="checkpoints (generated tokens) of the long generations (default 512,1024,2048)")
+    s.add_argument("--long-policies", type=name_list, default=["full", "epikv"], help="default full,epikv")
     s.add_argument("--long-budget", type=positive_int, default=None, help="budget K of the long runs (default: first)")
     s.add_argument("--no-long", action="store_true", help="skip the long generations")
     s.add_argument("--no-transformers", action="store_true",
                    help="leave out the second reference, transformers' model.generate with a DynamicCache at full's "
                         "cache length (timed in the same rounds; on by default when full is benchmarked)")
-    s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB)")
+    s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB; default 6)")
     s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, type=out_file,
