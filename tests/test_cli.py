@@ -280,3 +280,18 @@ def test_live_rate_waits_until_it_means_something(tiny):
              on_step=seen.append)
     assert len(seen) == 12 and seen[0].tokens_per_s is None  # the first step: no rate, whatever the clock said
     assert all(s.tokens_per_s is None or s.step + 1 >= 8 for s in seen)
+
+
+def test_generate_stop_string_is_cut_as_in_the_library_and_server(capsys):
+    """`--stop S` ends the text before S (the OpenAI rule, epikv.stops), streamed and in --json alike."""
+    base = ["generate", "--model", "random:tiny", "--prompt", "Hello world", "--raw", "--max-new-tokens", "16",
+            "--budget", "64"]
+    code, out, _ = run_cli(capsys, *base, "--json")
+    full = json.loads(out)["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    want = full[:full.index(stop)]
+    code, out, _ = run_cli(capsys, *base, "--stop", stop, "--json")
+    d = json.loads(out)
+    assert code == 0 and (d["text"], d["finish_reason"]) == (want, "stop") and d["new_tokens"] < 16
+    code, out, _ = run_cli(capsys, *base, "--stop", stop)
+    assert code == 0 and out == want + "\n"

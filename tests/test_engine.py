@@ -217,10 +217,17 @@ def test_eos_and_stop_strings(tiny):
     r = generate(tiny.model, tok, PROMPTS[0], policy="full", budget=None, max_new_tokens=12, eos_token_ids=[eos])
     assert r.token_ids[0] == ids[: first + 1] and r.finish_reasons == ["eos"]
     piece = tok.decode(ids[first + 1 : first + 3], skip_special_tokens=True)
-    if piece.strip():
-        r = generate(tiny.model, tok, PROMPTS[0], policy="full", budget=None, max_new_tokens=12, eos_token_ids=[],
-                     stop=[piece])
-        assert r.finish_reasons == ["stop"] and r.texts[0].endswith(piece)
+    assert piece.strip()
+    full = tok.decode(ids, skip_special_tokens=True)
+    at = full.index(piece)
+    streamed = []
+    r = generate(tiny.model, tok, PROMPTS[0], policy="full", budget=None, max_new_tokens=12, eos_token_ids=[],
+                 stop=[piece], on_step=lambda info: streamed.append(info.new_text))
+    # the one stop rule (epikv.stops): text and ids end before the stop string; the stream never shows it
+    assert r.finish_reasons == ["stop"] and r.texts[0] == full[:at]
+    kept = r.token_ids[0]
+    assert kept == ids[:len(kept)] and tok.decode(kept, skip_special_tokens=True) == full[:at]
+    assert "".join(streamed) == r.texts[0] and r.stats["new_tokens"] == [len(kept)]
 
 
 def test_epikv_family_is_attention_free(tiny, monkeypatch):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from epikv.stops import cut_at_stop
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -182,11 +184,16 @@ def test_stop_string_cuts_the_answer(served, lib):
     full = lib.tok.decode(ids, skip_special_tokens=True)
     stop = full[len(full) // 2: len(full) // 2 + 6]
     want = full[:full.index(stop)]
+    # the one stop rule (epikv.stops, as the library and `epikv generate --stop`): ids cut with the text
+    _, want_ids, _ = cut_at_stop(lambda r: lib.tok.decode(r, skip_special_tokens=True), ids, [stop])
+    assert len(want_ids) < len(ids)
     r = served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    assert r.choices[0].model_extra["token_ids"] == want_ids
     parts = list(served.client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOK, stop=stop,
                                                   stream=True))
     assert "".join(p.choices[0].text for p in parts) == want and parts[-1].choices[0].finish_reason == "stop"
+    assert sum((p.choices[0].model_extra["token_ids"] for p in parts), []) == want_ids
     assert served.get("/stats")["http"]["in_flight"] == 0
 
 

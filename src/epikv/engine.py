@@ -20,6 +20,7 @@ from .cache import EpiKVCache, cache_kwarg, decoder_layers
 from .errors import ContextWarning, EpiKVError
 from .policies import Policy, get_policy
 from .progress import live_rate
+from .stops import StopStream, cut_at_stop, stop_index
 
 
 def _number(x) -> bool:
@@ -409,6 +410,8 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
         # loop may run up to 15 steps past the end; each step's cache statistics and clock mark are kept (host ints
         # and an event, no sync) and the result reports them as of the true last step.
         sync_every = 1 if (on_step or stop) else 16
+        # with stop strings, row 0's stream holds back what may begin one (epikv.stops: the one rule)
+        stream = StopStream(lambda r: tokenizer.decode(r, skip_special_tokens=True), stop) if stop else None
         host_tokens: list[list[int]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         synced = [0]  # decode steps already copied to the host
@@ -425,21 +428,25 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
                 fin_host = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tokenizer, stop)
                 if on_step:
                     elapsed = time.perf_counter() - h0 - h_pre
-                    on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:],
-                                     new_text=_new_text(tokenizer, host_tokens[0]),
+                    new_text = (stream.step(_trim(host_tokens[0], eos), fin_host[0] or last) if stream
+                                else _new_text(tokenizer, host_tokens[0]))
+                    on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=new_text,
                                      cache_tokens=marks[-1][0]["final_cache_tokens"],
                                      evictions=marks[-1][0]["evictions"], tokens_per_s=live_rate(step + 1, elapsed)))
                 if all(fin_host) or last:
                     break
                 finished = torch.tensor(fin_host, device=dev) | finished
-                # rows still running end after this step: older marks are no longer needed
-                first, marks = step + 1, []
+                if not stop:  # rows still running end after this step: older marks are no longer needed
+                    first, marks = step + 1, []  # (a stop string may end a row some tokens back: keep them)
             logits = dec.step(nxt[:, None])
         token_ids = [_trim(row, eos) for row in host_tokens]
+        texts = []
+        for i, row in enumerate(token_ids):  # a stop string cuts text and ids alike (epikv.stops)
+            text, token_ids[i], _ = cut_at_stop(lambda r: tokenizer.decode(r, skip_special_tokens=True), row, stop)
+            texts.append(text)
         end = max(len(r) for r in token_ids) - 1  # the batch's true last step: its last row's final token
-        cache_stats, t_end = marks[end - first]
+        cache_stats, t_end = marks[max(end, 0) - first]
         seconds, t_prefill = clock.between(t0, t_end), clock.between(t0, t_pre)
-    texts = [_cut_stop(tokenizer.decode(row, skip_special_tokens=True), stop) for row in token_ids]
     n_new = sum(len(r) for r in token_ids)
     decode_s = max(seconds - t_prefill, 1e-9)
     stats = dict(cache_stats, prompt_tokens=[len(x) for x in batch], new_tokens=[len(r) for r in token_ids],
@@ -535,7 +542,7 @@ def _sync_rows(out, synced, n_done, host_tokens, eos, reasons, tokenizer, stop) 
             host_tokens[i].extend(new)
             if any(t in eos for t in new):
                 reasons[i] = "eos"
-            elif stop and any(s in tokenizer.decode(host_tokens[i][-64:], skip_special_tokens=True) for s in stop):
+            elif stop and stop_index(tokenizer.decode(host_tokens[i][-64:], skip_special_tokens=True), stop) >= 0:
                 reasons[i] = "stop"
         fin.append(reasons[i] != "length")
     return fin
@@ -557,7 +564,3 @@ def _trim(row: list[int], eos: list[int]) -> list[int]:
             return row[: j + 1]
     return row
 
-
-def _cut_stop(text: str, stop: list[str]) -> str:
-    cuts = [text.index(s) + len(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text

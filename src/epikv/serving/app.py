@@ -19,6 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..stops import StopStream
+
 # Body fields read by each endpoint; any other field is refused by name (a silently ignored option is a wrong answer).
 _COMMON = {"model", "max_tokens", "stream", "temperature", "top_p", "n", "seed", "user", "ignore_eos",
            "stream_options", "frequency_penalty", "presence_penalty"}
@@ -299,33 +301,15 @@ def parse_request(server: Server, body, chat: bool) -> dict:
 
 
 # ---------------------------------------------------------------------- text bookkeeping
-class _Detok:
-    """Incremental text of a growing token list: each step yields the new text, holding back a trailing partial
-    UTF-8 character (decoded as U+FFFD) and any tail that could be the start of a stop string."""
+class _Detok(StopStream):
+    """Incremental text of a request's tokens under the stop-string rule (epikv.stops), its final EOS unseen."""
 
     def __init__(self, server: Server, stop: list[str], ignore_eos: bool):
-        self.server, self.stop, self.ignore_eos = server, stop, ignore_eos
-        self.sent = ""  # text already sent
-        self.stopped = False
+        super().__init__(server.text, stop)
+        self.server, self.ignore_eos = server, ignore_eos
 
     def step(self, tokens: list[int], final: bool) -> str:
-        text = self.server.text(self.server.visible(tokens, self.ignore_eos))
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, final, self.stopped = text[:cut], True, True
-        if not final:
-            if text.endswith("\ufffd"):
-                text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
-        if not text.startswith(self.sent):  # a re-tokenisation changed earlier text: send only what follows
-            common = 0
-            while common < min(len(text), len(self.sent)) and text[common] == self.sent[common]:
-                common += 1
-            text = self.sent + text[common:] if common == len(self.sent) else self.sent
-        delta = text[len(self.sent):]
-        self.sent = text
-        return delta
+        return super().step(self.server.visible(tokens, self.ignore_eos), final)
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -425,8 +409,8 @@ async def _whole(server, rid, q, req, meta, chat, n_prompt, request, error):
     except asyncio.CancelledError:  # the client left
         server.cancel(rid)
         raise
-    text_tokens = server.visible(tokens, req["ignore_eos"])
     det.step(tokens, final=True)
+    text_tokens = det.ids(server.visible(tokens, req["ignore_eos"]))  # cut with the text at a stop string
     finish = "stop" if det.stopped else server.finish_reason(tokens, req["max_tokens"])
     if req["ignore_eos"]:
         finish = "length"
@@ -479,7 +463,8 @@ async def _stream(server, rid, q, req, meta, chat, n_prompt):
             done = out.is_finished()
             delta = det.step(tokens, final=done)
             vis = server.visible(tokens, req["ignore_eos"]) if done else [t for t in tokens]
-            new_ids = vis[sent_ids:]
+            # the ids of the text sent, cut with it at a stop string (a trailing EOS decodes to no text)
+            new_ids = det.ids(vis)[sent_ids:] if det.stopped or not done else vis[sent_ids:]
             if det.stopped or done:
                 finish = "stop" if det.stopped else ("length" if req["ignore_eos"]
                                                       else server.finish_reason(tokens, req["max_tokens"]))
