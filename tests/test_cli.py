@@ -39,6 +39,10 @@ def test_generate_json_on_embedded_model(capsys):
         assert key in d
     assert d["policy"] == "epikv" and d["budget"] == 64 and d["model"] == "smollm2"
     assert d["text"].strip() and d["new_tokens"] > 0
+    # the rates agree with the counts and times beside them (3 decimals of seconds)
+    assert d["seconds"] == pytest.approx(d["prefill_seconds"] + d["decode_seconds"], abs=2e-3)
+    assert d["tokens_per_s"] == pytest.approx(d["new_tokens"] / d["seconds"], rel=0.01)
+    assert d["decode_tokens_per_s"] == pytest.approx(d["new_tokens"] / d["decode_seconds"], rel=0.01)
     if d["prompt_tokens"] + d["new_tokens"] > 65:
         assert d["evictions"] > 0 and d["max_cache_tokens"] <= 64
 

@@ -93,6 +93,10 @@ def test_seconds_stop_at_the_true_end(tiny, monkeypatch):
                    eos_token_ids=[eos])
     assert res.stats["prefill_seconds"] == 1
     assert res.stats["seconds"] == 1 + (first + 1)  # prefill + the first + 1 steps returned, none after
+    # rates named for what they cover: the whole run, or the decode alone
+    assert res.stats["decode_seconds"] == first + 1
+    assert res.stats["tokens_per_s"] == (first + 1) / (first + 2)
+    assert res.stats["decode_tokens_per_s"] == 1.0
 
 
 def _status(err: str) -> tuple[int, int, int]:

@@ -449,10 +449,11 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
         seconds, t_prefill = clock.between(t0, t_end), clock.between(t0, t_pre)
     n_new = sum(len(r) for r in token_ids)
     decode_s = max(seconds - t_prefill, 1e-9)
+    # seconds = prefill_seconds + decode_seconds; tokens_per_s over all of it, decode_tokens_per_s over the decode
     stats = dict(cache_stats, prompt_tokens=[len(x) for x in batch], new_tokens=[len(r) for r in token_ids],
-                 seconds=seconds, prefill_seconds=t_prefill, decode_steps=end + 1,
-                 tokens_per_s=n_new / decode_s, policy=dec.policy.name, budget=dec.cache.budget, tau=dec.cache.tau,
-                 seeds=seeds)
+                 seconds=seconds, prefill_seconds=t_prefill, decode_seconds=seconds - t_prefill, decode_steps=end + 1,
+                 tokens_per_s=n_new / max(seconds, 1e-9), decode_tokens_per_s=n_new / decode_s,
+                 policy=dec.policy.name, budget=dec.cache.budget, tau=dec.cache.tau, seeds=seeds)
     return GenerationResult(texts=texts, token_ids=token_ids, prompt_tokens=[len(x) for x in batch],
                             finish_reasons=reasons, stats=stats)
 

@@ -97,7 +97,9 @@ def run(args) -> int:
     summary = {
         "text": res.texts[0], "prompt_tokens": st["prompt_tokens"][0], "new_tokens": st["new_tokens"][0],
         "max_cache_tokens": st["max_cache_tokens"], "final_cache_tokens": st["final_cache_tokens"],
-        "evictions": st["evictions"], "seconds": round(st["seconds"], 3), "tokens_per_s": round(st["tokens_per_s"], 2),
+        "evictions": st["evictions"], "seconds": round(st["seconds"], 3),
+        "prefill_seconds": round(st["prefill_seconds"], 3), "decode_seconds": round(st["decode_seconds"], 3),
+        "tokens_per_s": round(st["tokens_per_s"], 2), "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2),
         "finish_reason": res.finish_reasons[0], "policy": st["policy"], "budget": st["budget"], "tau": st["tau"],
         "model": args.model,
     }
@@ -113,5 +115,7 @@ def run(args) -> int:
         print(f"[{summary['policy']} K={summary['budget']} tau={summary['tau']}] prompt {summary['prompt_tokens']} "
               f"+ new {summary['new_tokens']} tokens ({summary['finish_reason']}); cache max "
               f"{summary['max_cache_tokens']}, final {summary['final_cache_tokens']}; {summary['evictions']} "
-              f"evictions; {summary['tokens_per_s']} tok/s; {summary['seconds']} s", file=sys.stderr)
+              f"evictions; {summary['seconds']} s (prefill {summary['prefill_seconds']} s, decode "
+              f"{summary['decode_seconds']} s); {summary['tokens_per_s']} tok/s overall, "
+              f"{summary['decode_tokens_per_s']} decoding", file=sys.stderr)
     return 0
