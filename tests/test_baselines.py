@@ -74,7 +74,7 @@ def test_policies_json_lists_attention_free(capsys):
 
     assert main(["policies", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    needs = {"h2o", "h2o-global", "tova", "raas", "thinkv"}
+    needs = {"h2o", "h2o-global", "tova", "raas", "thinkv", "snapkv", "rkv"}  # snapkv, rkv: softmax(qK) recomputed
     for name in ("h2o", "h2o-global", "tova", "snapkv", "rkv", "raas", "thinkv", "lagkv", "keydiff", "knorm",
                  "streaming", "random", "epikv"):
         assert rows[name]["attention_free"] == (name not in needs), name

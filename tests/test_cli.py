@@ -60,8 +60,31 @@ def test_policies_json(capsys):
     for name in ("epikv", "epikv-raw", "epikv-a", "epikv-band", "lag-kv", "full", "streaming", "random"):
         assert rows[name]["attention_free"] is True
         assert rows[name]["paper"] and "defaults" in rows[name]
-    assert "hidden states at blocks 10,21" in rows["epikv"]["observes"]
+    # what the engine reads on the embedded model (30 blocks: 10, 21 of 32 scaled), and on a 32-block one
+    assert rows["epikv"]["observes"] == "hidden states at blocks 9,20 (for a 30-block model)"
+    assert rows["epikv"]["observes_32_blocks"] == "hidden states at blocks 10,21"
     assert rows["lag-kv"]["observes"].startswith("cached keys/values")
+
+
+def test_attention_free_is_one_rule():
+    """attention-free = reads no attention scores: no attention weights and no recomputed queries (q.K)."""
+    from epikv.policies import REGISTRY
+
+    for name, cls in REGISTRY.items():
+        obs = cls().observes(30)
+        assert cls.attention_free == (not obs.attention_layers and not obs.queries), name
+    assert not REGISTRY["snapkv"].attention_free and not REGISTRY["epikv-seg-q"].attention_free
+
+
+def test_policies_table_fits_a_terminal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli(capsys, "policies")
+    lines = out.splitlines()
+    assert code == 0 and max(len(l) for l in lines) <= 80 and len(lines) < 120
+    assert "own settings" in out  # the defaults column
+    assert "lag=128" in out and "blocks 9,20" in out
+    code, out, _ = run_cli(capsys, "policies", "--wide")
+    assert code == 0 and "arXiv" in out
 
 
 def test_trace_views(capsys, tmp_path):

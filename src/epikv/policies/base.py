@@ -99,6 +99,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    # reads no attention scores at all: neither attention weights nor query-key products it recomputes (one rule,
+    # checked for every registered policy against what it observes: tests/test_cli.py)
     attention_free: ClassVar[bool] = True
     granularity: ClassVar[str] = "token"  # "token": one keep set per sequence; "head": per layer and KV head
     evicts: ClassVar[bool] = True
@@ -177,13 +179,19 @@ class Policy:
         return (f"budget {budget} is smaller than what is protected: {prot} {what} + {recent} recent tokens; "
                 "raise the budget or shorten the prompt")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, n_layers: int = 30) -> dict[str, Any]:
+        """What `epikv policies` lists; `observes` for a model of n_layers blocks (30: the embedded SmolLM2), as
+        the engine reads them on a model without the authors' published blocks."""
         defaults = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        obs = self.observes(n_layers)
         return {
             "name": self.name,
             "attention_free": self.attention_free,
+            # eager attention with its weights, or the model's own kernel (SDPA / FlashAttention) untouched
+            "attention_kernel": "eager" if obs.attention_layers else "model's own",
             "granularity": self.granularity,
-            "observes": self.observes(32).describe() + " (for a 32-block model)",
+            "observes": obs.describe() + f" (for a {n_layers}-block model)",
+            "observes_32_blocks": self.observes(32).describe(),
             "defaults": defaults,
             "paper": self.paper,
             "doc": (type(self).__doc__ or "").strip().splitlines()[0],

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,9 @@ class SnapKV(Policy):
     tokens) + the top (K - window) per head. The prompt is not protected. SnapKV's original prefill setting:
     window 32, avg pooling, kernel 5.
     """
+
+    # it computes softmax(qK) of its window's queries: attention scores, if not the engine's own (SDPA stays)
+    attention_free: ClassVar[bool] = False
 
     tau: int = 128
     protect_prompt: bool = False
