@@ -15,7 +15,7 @@ import pytest
 from epikv.cli import main
 from epikv.failure import detect
 from epikv.eval.records import RecordWriter, read_records
-from epikv.eval.report import summarize, wilson, write_report
+from epikv.eval.report import summarize, tau_text, wilson, write_report
 
 # Fields EVALUATION.md section 1 asks of every record.
 FIELDS = ["id", "policy", "budget", "tau", "seed", "prompt_tokens", "new_tokens", "final_answer", "correct",
@@ -147,6 +147,7 @@ def test_report_merges_directories(data, tmp_path, capsys):
     assert main(["report", str(a), str(b), "--out", str(rep)]) == 0
     md = (rep / "report.md").read_text()
     assert "| mini | random:tiny | full | - | 6 |" in md and "| epikv | 44 |" in md and "| epikv | 48 |" in md
+    assert "tau None" not in md and "tau 1 (the default)" in md  # --tau unset: the policies' own default
     csv_lines = (rep / "report.csv").read_text().splitlines()
     assert csv_lines[0].startswith("dataset,model,protocol,policy,budget") and len(csv_lines) == 4
     for png in ("accuracy_vs_budget.png", "speed_vs_budget.png"):
@@ -155,6 +156,12 @@ def test_report_merges_directories(data, tmp_path, capsys):
     assert {r["policy"] for r in rows} == {"epikv", "full"}
     assert all(0 <= r["ci_low"] <= r["accuracy"] <= r["ci_high"] <= 1 for r in rows)
     assert main(["report", str(tmp_path / "empty")]) == 2
+
+
+def test_tau_text_names_each_policys_default():
+    assert tau_text(4, []) == "tau 4"
+    assert tau_text(None, [{"policy": "epikv"}, {"policy": "full"}]) == "tau 1 (the default)"
+    assert tau_text(None, [{"policy": "epikv"}, {"policy": "snapkv"}]) == "tau: each policy's default (1: epikv; 128: snapkv)"
 
 
 def test_wilson_interval():

@@ -174,6 +174,21 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def tau_text(tau: int | None, rows: list[dict]) -> str:
+    """The eviction interval a run used: the one given, or each policy's own default (`--tau` unset)."""
+    if tau is not None:
+        return f"tau {tau}"
+    from ..policies import REGISTRY
+
+    by_tau = defaultdict(list)
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        if name in REGISTRY and REGISTRY[name].evicts:
+            by_tau[REGISTRY[name]().tau].append(name)
+    if len(by_tau) <= 1:
+        return f"tau {next(iter(by_tau), 1)} (the default)"
+    return "tau: each policy's default (" + "; ".join(f"{t}: {', '.join(n)}" for t, n in sorted(by_tau.items())) + ")"
+
+
 def write_report(dirs: list[str | Path], out: str | Path | None = None) -> dict[str, Path]:
     """report.md, report.csv and the two PNGs into `out` (default: the first directory)."""
     records, configs = merge(dirs)
@@ -201,7 +216,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None) -> dict[
           table_markdown(rows), "", "Sources:", ""]
     for c in configs:
         md.append(f"- `{c['directory']}`: {c['dataset']} ({c['protocol']}, max {c['max_new_tokens']} new tokens, "
-                  f"temperature {c['temperature']}), model `{c['model']}`, tau {c['tau']}")
+                  f"temperature {c['temperature']}), model `{c['model']}`, {tau_text(c['tau'], rows)}")
     md += ["", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
     md_path = out / "report.md"
     md_path.write_text("\n".join(md))
