@@ -75,6 +75,14 @@ def test_trace_output_that_is_a_folder(capsys, paths, opt):
     assert f"argument {opt}" in line and "is a folder" in line
 
 
+def test_trace_png_of_another_format_is_refused_while_parsing(capsys, tmp_path, monkeypatch):
+    import epikv.commands.trace as trace
+
+    monkeypatch.setattr(trace, "load", lambda args: pytest.fail("the model was loaded before the refusal"))
+    line = refused(capsys, "trace", *TINY, "--prompt", "Q", "--completion", " a b", "--png", str(tmp_path / "x.html"))
+    assert "argument --png" in line and "ending in .png" in line
+
+
 # -- unreadable input ------------------------------------------------------------------------------------------------
 def test_non_utf8_bands_file(capsys, tmp_path):
     bad = tmp_path / "bands.json"

@@ -567,3 +567,17 @@ def test_committed_retention_reports_are_current_renders(tmp_path, capsys, folde
     fresh = (tmp_path / "retention.md").read_text(encoding="utf-8")
     assert fresh == (res / folder / "retention.md").read_text(encoding="utf-8"), \
         f"re-render benchmarks/results/{folder} with epikv report"
+
+
+def test_report_refuses_an_unknown_reference(tmp_path, capsys):
+    """--reference names rows of the records: a typo is one line and exit 2 before anything is written."""
+    from pathlib import Path
+
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "retention"
+    assert main(["report", str(res), "--reference", "epikv,nosuch", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--reference nosuch: no such policy row" in err
+    assert "lag-kv" in err and not (tmp_path / "r").exists()
+    (tmp_path / "e").mkdir()  # an eval folder has no paired tables: --reference there is refused too
+    assert main(["report", str(tmp_path / "e"), "--reference", "epikv"]) == 2
+    assert "applies to retention directories" in capsys.readouterr().err

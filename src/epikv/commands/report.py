@@ -13,9 +13,10 @@ def register(sub) -> None:
                                    "retention_<metric>.png.")
     p.add_argument("dirs", nargs="+", help="eval or retention output directories")
     p.add_argument("--out", default=None, type=out_dir, help="where to write the report (default: the first directory)")
-    p.add_argument("--reference", default="epikv,random", metavar="POLICIES",
+    p.add_argument("--reference", default=None, metavar="POLICIES",
                    help="retention: the policies every other is compared with, paired on common traces "
-                        "(comma-separated; default epikv,random)")
+                        "(comma-separated row labels such as epikv@tau=128; each must be in the records; default "
+                        "epikv,random, those of them present)")
     p.set_defaults(run=run)
 
 
@@ -24,6 +25,7 @@ def run(args) -> int:
 
     from ..errors import EpiKVError
     from ..eval.report import merge, summarize, table_text, write_report
+    from ..retention.bootstrap import unique
     from ..retention.report import render_retention
     from ..retention.store import read_records
 
@@ -33,6 +35,16 @@ def run(args) -> int:
     # a retention run keeps its records in results.jsonl with "kind": "retention"
     retention = [d for d in args.dirs if (Path(d) / "results.jsonl").exists()]
     evals = [d for d in args.dirs if d not in retention]
+    references = tuple(x.strip() for x in (args.reference or "epikv,random").split(",") if x.strip())
+    if args.reference is not None and not retention:
+        raise EpiKVError("--reference applies to retention directories (with results.jsonl); none was given")
+    records = [r for d in retention for r in read_records(Path(d) / "results.jsonl")]
+    if args.reference is not None:  # a reference asked for by name must exist: a typo is not a missing table
+        labels = {r["label"] for r in unique(records)}
+        unknown = [x for x in references if x not in labels] if references else ["(empty)"]
+        if unknown:
+            raise EpiKVError(f"--reference {','.join(unknown)}: no such policy row in the retention records "
+                             f"(they hold {', '.join(sorted(labels)) or 'none'})")
     if args.out is None:  # the report goes into the first directory of each kind: it must be writable
         import argparse
 
@@ -44,8 +56,7 @@ def run(args) -> int:
             except argparse.ArgumentTypeError as e:
                 raise EpiKVError(f"report (no --out: into {d}): {e}") from None
     if retention:
-        records = [r for d in retention for r in read_records(Path(d) / "results.jsonl")]
-        for path in render_retention(records, args.out or retention[0], reference=tuple(x for x in args.reference.split(",") if x)):
+        for path in render_retention(records, args.out or retention[0], reference=references):
             print(f"retention: {path}")
     if not evals:
         return 0

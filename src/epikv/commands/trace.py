@@ -8,6 +8,16 @@ from ..errors import EpiKVError
 from .common import add_model_args, add_policy_args, load, out_file, read_text, settings_by_policy
 
 
+def png_file(text: str) -> str:
+    """--png's type: an output file named .png, checked while parsing (not by matplotlib after the model ran)."""
+    import argparse
+
+    out_file(text)
+    if Path(text).suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text}: expected a file name ending in .png")
+    return text
+
+
 def register(sub) -> None:
     p = sub.add_parser("trace", help="show per-token scores and evictions over a text",
                        description="Stream a text once under an EPIKV-family policy at --budget and show the score "
@@ -17,7 +27,7 @@ def register(sub) -> None:
     src.add_argument("--prompt", help="the prompt (protected); use with --completion")
     p.add_argument("--completion", help="the text after the prompt")
     p.add_argument("--html", type=out_file, help="write an HTML view here")
-    p.add_argument("--png", type=out_file, help="write a PNG plot here")
+    p.add_argument("--png", type=png_file, help="write a PNG plot here (a .png file)")
     add_model_args(p)
     add_policy_args(p)
     p.set_defaults(run=run, budget=256)
