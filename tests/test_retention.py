@@ -228,7 +228,7 @@ def test_store_drops_torn_tail(tmp_path):
 def test_ci_sized_cli_run_and_resume(tmp_path, capsys):
     out = tmp_path / "ret"
     argv = ["retention", "--model", "random:tiny", "--limit", "2", "--max-reasoning-tokens", "300",
-            "--max-answer-tokens", "48", "--policies", "full,epikv,streaming", "--budgets", "128,256", "--out", str(out)]
+            "--max-answer-tokens", "48", "--policies", "full,epikv,lag-kv", "--budgets", "128,256", "--out", str(out)]
     assert main(argv) == 0
     recs = read_records(out / "results.jsonl")
     assert len(recs) == 2 * (1 + 2 * 2)
@@ -321,7 +321,7 @@ def test_report_over_two_fresh_folders_matches_the_records(tmp_path, capsys):
     rows = [GOOD, dict(GOOD, id="synthetic/other", trace=GOOD["trace"].replace("carefully", "once more, slowly"))]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv,streaming",
+    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv,lag-kv",
             "--budgets", "64,96", "--tau", "8", "--max-answer-tokens", "24", "--no-report"]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(base + ["--limit", "1", "--out", str(a)]) == 0
@@ -534,9 +534,33 @@ def test_every_run_impossible_is_exit_2_and_leaves_no_folder(tmp_path, capsys):
         assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "epikv",
                      "--budgets", "4", "--out", str(folder)]) == 2  # K = 4 is below the protected prompt
         err = capsys.readouterr().err.strip().splitlines()
-        assert "nothing could be scored: all 1 runs were not possible (first: synthetic/good epikv K=4: budget 4 " \
-               "is smaller than what is protected" in err[-1], err
+        assert len(err) == 1 and "no evicting run is possible: epikv K=4 (budget 4 is smaller than what is " \
+               "protected" in err[0], err
     assert not out.exists() and kept.is_dir()
+
+
+def test_full_alone_is_no_result(tmp_path, capsys, monkeypatch):
+    """Every evicting run impossible: exit 2 naming them, even though `full` could run (it compares nothing)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    out = tmp_path / "o"
+    assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv,lag-kv",
+                 "--budgets", "4,6", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no evicting run is possible: epikv K=4 (budget 4" in err[0], err
+    assert all(f"{p} K={k} (" in err[0] for p in ("epikv", "lag-kv") for k in (4, 6))
+    assert not out.exists()
+    # failures found only while running (not by the budget check): the same refusal, the full records kept
+    import epikv.retention.runner as runner
+
+    def boom(*a, **k):
+        raise runner.EpiKVError("boom")
+
+    monkeypatch.setattr(runner, "policy_pass", boom)
+    assert main(["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv",
+                 "--budgets", "200", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no evicting run was possible: epikv K=200 (boom); the full-cache records written are kept" in err[-1]
 
 
 def test_batch_traces_speed_is_stated_alike_in_help_and_readme(capsys):

@@ -359,6 +359,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
         raise EpiKVError(f"none of the {len(rows)} traces can be scored (" + ", ".join(
             f"{n} {w}" for w, n in why.items()) + "): each needs id, problem and trace text with an answer after "
             f"{THINK_END}")
+    _check_some_run_possible(items, policies, budgets, tau, settings_for)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -459,6 +460,11 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     finally:
         progress.close()
     summary["results"] = str(results)
+    evicting = [r for r in runs.values() if r[0] != "full"]
+    failed = [f for f in summary["failed"] if f[1] != "full"]
+    if evicting and len(failed) == len(items) * len(evicting):  # `full` alone compares nothing: not a result
+        raise EpiKVError("no evicting run was possible: " + _runs_text(failed)
+                         + ("; the full-cache records written are kept for a rerun" if summary["written"] else ""))
     if summary["failed"] and not (summary["written"] or summary["already_done"] or summary["claimed_elsewhere"]):
         if created:
             _remove_if_empty(out_dir)
@@ -466,6 +472,31 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
         raise EpiKVError(f"nothing could be scored: all {len(summary['failed'])} runs were not possible (first: "
                          f"{tid} {name} K={b}: {e})")
     return summary
+
+
+def _runs_text(failed: list[tuple]) -> str:
+    """The impossible runs, each once with its first reason: 'epikv K=8 (budget 8 is smaller ...)'."""
+    first: dict[tuple, str] = {}
+    for _, name, b, why in failed:
+        first.setdefault((name, b), why)
+    return "; ".join(f"{name} K={b} ({why})" for (name, b), why in first.items())
+
+
+def _check_some_run_possible(items, policies, budgets, tau, settings_for) -> None:
+    """Before any work: refuse a run in which no evicting (policy, budget) can hold some trace's protected prompt and
+    recent window (what every such run would fail on), naming them; `full` alone would be a report of nothing."""
+    failed, n_evicting = [], 0
+    for spec in policies:
+        pol = get_policy(_name(spec), tau=tau, **settings_for(spec))
+        if not pol.evicts:
+            continue
+        for b in budgets:
+            n_evicting += 1
+            whys = [pol.protected_overflow(b, pol.recent_window(b), len(it.prompt_ids)) for it in items]
+            if all(whys):
+                failed.append((None, policy_label({"policy": pol.name, "settings": settings_for(spec)}), b, whys[0]))
+    if n_evicting and len(failed) == n_evicting:
+        raise EpiKVError("no evicting run is possible: " + _runs_text(failed))
 
 
 def _remove_if_empty(folder: Path) -> None:
