@@ -605,3 +605,33 @@ def test_report_refuses_an_unknown_reference(tmp_path, capsys):
     (tmp_path / "e").mkdir()  # an eval folder has no paired tables: --reference there is refused too
     assert main(["report", str(tmp_path / "e"), "--reference", "epikv"]) == 2
     assert "applies to retention directories" in capsys.readouterr().err
+
+
+def _overlaps(fig) -> list[tuple[str, str]]:
+    """Pairs of visible texts (titles, axis titles, tick labels) whose drawn boxes overlap."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    texts = [t for ax in fig.axes for t in (ax.title, ax.yaxis.label, ax.xaxis.label, *ax.get_yticklabels())
+             if t.get_visible() and t.get_text()]
+    boxes = [(t.get_text(), t.get_window_extent(r)) for t in texts]
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
+
+
+@pytest.mark.parametrize("n_policies", [1, 2, 8])
+def test_paired_plot_texts_never_overprint(n_policies):
+    """retention_paired_<ref>.png: each panel's titles and labels stay apart, with few policies as with many."""
+    import matplotlib.pyplot as plt
+
+    from epikv.retention.report import _paired_figure
+
+    recs = []
+    for i in range(4):
+        for b in (256, 512, 1024):
+            for p in ["epikv"] + [f"p{k}" for k in range(n_policies)]:
+                recs.append(_rec(p, b, str(i), answer_nll_increase=0.1 * i + len(p), tail_nll_increase=0.05 * i,
+                                 answer_kl=0.01 * i + len(p)))
+    fig = _paired_figure(recs, "epikv")
+    try:
+        assert len(fig.axes) == 9 and not _overlaps(fig), _overlaps(fig)
+    finally:
+        plt.close(fig)

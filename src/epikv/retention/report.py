@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from pathlib import Path
 
 from .bootstrap import LOWER_IS_BETTER, aggregate, holm, paired
@@ -136,12 +137,26 @@ def _plot(rows: list[dict], metric: str, label: str, path: Path) -> None:
 
 
 def _plot_paired(records, reference: str, path: Path) -> bool:
+    """Write `_paired_figure` to path; False (nothing written) without pairs."""
+    fig = _paired_figure(records, reference)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _paired_figure(records, reference: str):
     """Each policy minus `reference` per budget (columns) and metric (rows), on common traces: mean and 95 % bootstrap
-    CI over traces; filled markers where the interval excludes 0. Returns False (nothing written) without pairs."""
+    CI over traces; filled markers where the interval excludes 0. None without pairs. Each row names its metric in a
+    horizontal title above its panels (a vertical axis title would overprint its neighbours when few policies make
+    the rows short)."""
     tables = {m: paired(records, reference, m) for m in PAIRED_PLOT}
     tables = {m: t for m, t in tables.items() if t}
     if not tables:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +167,7 @@ def _plot_paired(records, reference: str, path: Path) -> bool:
     budgets = sorted({r["budget"] for t in tables.values() for r in t})
     policies = sorted({r["policy"] for t in tables.values() for r in t})
     fig, axes = plt.subplots(len(tables), len(budgets), squeeze=False, sharey=True,
-                             figsize=(2.2 + 2.6 * len(budgets), 0.9 + (0.22 * len(policies) + 0.6) * len(tables)))
+                             figsize=(2.2 + 2.6 * len(budgets), 0.9 + (0.22 * len(policies) + 0.9) * len(tables)))
     for i, (metric, rows) in enumerate(tables.items()):
         by = {(r["policy"], r["budget"]): r for r in rows}
         for j, b in enumerate(budgets):
@@ -173,16 +188,11 @@ def _plot_paired(records, reference: str, path: Path) -> bool:
                 ax.invert_yaxis()  # shared y: once flips every column
             ax.grid(alpha=0.3, axis="x")
             ax.tick_params(axis="x", labelsize=7)
-            if i == 0:
-                ax.set_title(f"K = {b}", fontsize=9)
-            if j == 0:
-                ax.set_ylabel(PLOTS[metric].split(" (")[0], fontsize=7)
+            ax.set_title(textwrap.fill(f"{PLOTS[metric].split(' (')[0]}, K = {b}", 34), fontsize=8)
     fig.suptitle(f"policy minus {reference} on common traces: mean, 95% bootstrap CI over traces\n"
                  "filled: the interval excludes 0; left of 0: better", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def _lower_first(title: str) -> str:
