@@ -322,3 +322,38 @@ def test_generate_stop_string_is_cut_as_in_the_library_and_server(capsys):
     assert code == 0 and (d["text"], d["finish_reason"]) == (want, "stop") and d["new_tokens"] < 16
     code, out, _ = run_cli(capsys, *base, "--stop", stop)
     assert code == 0 and out == want + "\n"
+
+
+def test_trace_joins_prompt_and_completion_as_words(capsys):
+    code, out, _ = run_cli(capsys, "trace", "--model", "random:tiny", "--prompt", "What is 13?", "--completion",
+                           "First, add them up.", "--budget", "64")
+    assert code == 0 and "13? First" in out
+    code, out, _ = run_cli(capsys, "trace", "--model", "random:tiny", "--prompt", "What is 13?", "--completion",
+                           "\nFirst", "--budget", "64")
+    assert code == 0 and "13?\nFirst" in out  # whitespace already there: nothing added
+
+
+def test_trace_png_colours_by_score_and_keeps_its_legend_off_the_points():
+    import matplotlib.pyplot as plt
+
+    from epikv.trace import TokenTrace, _colour, _scale, png_figure
+
+    n = 60
+    tr = TokenTrace(tokens=[f"t{i}" for i in range(n)], scores=[((i * 7) % 11 - 5) / 5 for i in range(n)],
+                    evicted=[4 <= i < 40 and i % 3 == 0 for i in range(n)], is_prompt=[i < 4 for i in range(n)],
+                    policy="epikv", budget=32)
+    fig = png_figure(tr)
+    try:
+        ax = fig.axes[0]
+        scale = _scale(tr)
+        kept, ev = ax.collections[:2]
+        want = lambda idx: [c / 255 for i in idx for c in _colour(tr.scores[i], scale)]  # noqa: E731
+        k_idx = [i for i in range(n) if not tr.evicted[i] and not tr.is_prompt[i]]
+        e_idx = [i for i in range(n) if tr.evicted[i]]
+        assert [float(x) for c in kept.get_facecolors() for x in c[:3]] == pytest.approx(want(k_idx))
+        assert [float(x) for c in ev.get_facecolors() for x in c[:3]] == pytest.approx(want(e_idx))
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        assert ax.get_legend().get_window_extent(r).x0 >= ax.get_window_extent(r).x1  # beside the axes
+    finally:
+        plt.close(fig)

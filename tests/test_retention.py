@@ -228,7 +228,7 @@ def test_store_drops_torn_tail(tmp_path):
 def test_ci_sized_cli_run_and_resume(tmp_path, capsys):
     out = tmp_path / "ret"
     argv = ["retention", "--model", "random:tiny", "--limit", "2", "--max-reasoning-tokens", "300",
-            "--max-answer-tokens", "48", "--policies", "full,epikv,lag-kv", "--budgets", "128,256", "--out", str(out)]
+            "--max-answer-tokens", "48", "--policies", "full,epikv,streaming", "--budgets", "128,256", "--out", str(out)]
     assert main(argv) == 0
     recs = read_records(out / "results.jsonl")
     assert len(recs) == 2 * (1 + 2 * 2)
@@ -321,7 +321,7 @@ def test_report_over_two_fresh_folders_matches_the_records(tmp_path, capsys):
     rows = [GOOD, dict(GOOD, id="synthetic/other", trace=GOOD["trace"].replace("carefully", "once more, slowly"))]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv,lag-kv",
+    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--policies", "full,epikv,streaming",
             "--budgets", "64,96", "--tau", "8", "--max-answer-tokens", "24", "--no-report"]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(base + ["--limit", "1", "--out", str(a)]) == 0

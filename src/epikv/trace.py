@@ -135,28 +135,50 @@ def render_html(tr: TokenTrace) -> str:
 
 
 def render_png(tr: TokenTrace, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = png_figure(tr)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def png_figure(tr: TokenTrace):
+    """The score over positions, each token coloured by its score as in the HTML and terminal views (orange high,
+    blue low); evicted tokens drawn as crosses, kept ones as dots; the legend outside the axes, over no point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     n = len(tr.tokens)
     xs = list(range(n))
-    fig, ax = plt.subplots(figsize=(12, 4))
-    ax.plot(xs, tr.scores, lw=0.7, color="0.3")
+    scale = _scale(tr)
+    colour = lambda i: tuple(c / 255 for c in _colour(tr.scores[i], scale))  # noqa: E731
+    fig, ax = plt.subplots(figsize=(13, 4))
+    ax.plot(xs, tr.scores, lw=0.7, color="0.6", zorder=1)
     ev = [i for i in xs if tr.evicted[i]]
-    ax.scatter(ev, [tr.scores[i] for i in ev], s=6, color="tab:blue", label="evicted")
     kept = [i for i in xs if not tr.evicted[i] and not tr.is_prompt[i]]
-    ax.scatter(kept, [tr.scores[i] for i in kept], s=6, color="tab:red", label="kept")
+    ax.scatter(kept, [tr.scores[i] for i in kept], s=14, c=[colour(i) for i in kept], edgecolors="0.35",
+               linewidths=0.4, zorder=2)
+    ax.scatter(ev, [tr.scores[i] for i in ev], s=22, c=[colour(i) for i in ev], marker="X", edgecolors="black",
+               linewidths=0.4, zorder=2)
     p_end = sum(tr.is_prompt)
-    ax.axvspan(0, p_end, color="0.9", label="prompt (protected)")
+    ax.axvspan(0, p_end, color="0.9", zorder=0)
     top = sorted(kept, key=lambda i: -tr.scores[i])[:12]
     for i in top:
         ax.annotate(repr(tr.tokens[i].strip())[1:-1][:12], (i, tr.scores[i]), fontsize=7, rotation=45)
     ax.set_xlabel("token position")
     ax.set_ylabel(f"{tr.policy} score")
     ax.set_title(f"{tr.policy} per-token score, K={tr.budget}: {len(ev)} of {n} evicted")
-    ax.legend(loc="upper right", fontsize=8)
+    handles = [Line2D([], [], ls="", marker="o", mfc=tuple(c / 255 for c in _colour(scale, scale)), mec="0.35",
+                      label="high score"),
+               Line2D([], [], ls="", marker="o", mfc=tuple(c / 255 for c in _colour(-scale, scale)), mec="0.35",
+                      label="low score"),
+               Line2D([], [], ls="", marker="o", mfc="white", mec="0.35", label="kept"),
+               Line2D([], [], ls="", marker="X", mfc="white", mec="black", label="evicted"),
+               Patch(color="0.9", label="prompt (protected)")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

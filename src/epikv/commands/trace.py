@@ -25,7 +25,8 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file", help="a text file (its first line is treated as the prompt)")
     src.add_argument("--prompt", help="the prompt (protected); use with --completion")
-    p.add_argument("--completion", help="the text after the prompt")
+    p.add_argument("--completion", help="the text after the prompt (after a space, unless the prompt ends or the "
+                                        "completion starts with whitespace)")
     p.add_argument("--html", type=out_file, help="write an HTML view here")
     p.add_argument("--png", type=png_file, help="write a PNG plot here (a .png file)")
     add_model_args(p)
@@ -44,6 +45,8 @@ def run(args) -> int:
         if args.completion is None:
             raise EpiKVError("--prompt needs --completion")
         prompt, completion = args.prompt, args.completion
+        if prompt[-1:].strip() and completion[:1].strip():  # two texts joined as words: "13? First", not "13?First"
+            completion = " " + completion
     if not prompt.strip():
         raise EpiKVError("empty prompt")
     if not completion.strip():
