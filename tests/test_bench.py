@@ -63,6 +63,32 @@ def test_long_generation_checkpoints(tiny):
     assert pts[0]["kv_buffer_mib"] > 0 and pts[1]["peak_gib"] == 1.0
 
 
+def test_long_generation_stderr_and_plot_show_one_kv_measure(tmp_path):
+    """The stderr line and the plot's KV panel: the same measure (buffers allocated) under the same name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from epikv.bench.plots import plot_speed
+    from epikv.commands.bench import _fmt_point
+
+    p = {"generated": 10, "segment_tokens_per_s": 5.0, "cache_length": 18, "peak_gib": 1.0, "kv_buffer_mib": 0.25,
+         "kv_cache_peak_mib": 0.08, "policy": "full", "budget": None}
+    line = _fmt_point(p)
+    assert "KV buffers allocated 0.25 MiB" in line and "0.08" not in line
+    import matplotlib.pyplot as plt
+
+    captured = []
+    orig = plt.Figure.savefig
+    plt.Figure.savefig = lambda self, *a, **k: captured.append(self)
+    try:
+        plot_speed({"model": "m", "device": "cpu", "dtype": "float32", "budgets": [], "long": [p, dict(p, generated=20)]},
+                   tmp_path / "s.png")
+    finally:
+        plt.Figure.savefig = orig
+    labels = [ax.get_ylabel() for ax in captured[0].axes]
+    assert "KV buffers allocated (MiB)" in labels
+
+
 def test_attention_weights_probe_reads_every_layer(tiny):
     obs = AttentionWeights().observes(4)
     assert obs.attention_layers == (0, 1, 2, 3) and not AttentionWeights.evicts

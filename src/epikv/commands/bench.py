@@ -327,7 +327,8 @@ def _fmt_point(p: dict) -> str:
     if p.get("status", "ok") != "ok":
         return f"{p['status']} {p.get('error', '')}"
     return (f"{p['generated']} tokens, {p['segment_tokens_per_s']:.1f} tok/s, cache {p['cache_length']}, "
-            f"peak {p.get('peak_gib', float('nan')):.3f} GiB, KV cache peak {p.get('kv_cache_peak_mib', float('nan')):.2f} MiB")
+            f"peak {p.get('peak_gib', float('nan')):.3f} GiB, KV buffers allocated "
+            f"{p.get('kv_buffer_mib', float('nan')):.2f} MiB")  # the measure and name of the plot's KV panel
 
 
 def _print_block(block: dict) -> None:
