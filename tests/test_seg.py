@@ -562,7 +562,8 @@ def test_seg_q_is_not_attention_free_and_keeps_flash(tiny):
     rows = {r["name"]: r for r in json.loads(buf.getvalue())}
     for name in NEW:
         assert rows[name]["attention_free"] == (name != "epikv-seg-q"), name
-    assert "query states at blocks 11" in rows["epikv-seg-q"]["observes"]
+    assert "query states at blocks 11" in rows["epikv-seg-q"]["observes_32_blocks"]
+    assert "query states at blocks 10" in rows["epikv-seg-q"]["observes"]  # the embedded 30-block model
     model = tiny.model
     old = model.config._attn_implementation
     model.config._attn_implementation = "flash_attention_2"
