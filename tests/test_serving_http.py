@@ -246,6 +246,8 @@ def test_models_health_stats(served):
     # the protected prompt + the recency window (K // 4) over K: refused up front, not failed after admission
     ({"prompt": "one two three four five six seven eight nine ten " * 12, "max_tokens": 4},
      "smaller than what is protected"),
+    # 94 + 32 tokens fit K = 128, but their pages of 16 do not (6 + 3 > 8): the same up-front 400, not a 500 later
+    ({"prompt": [100] * 94, "max_tokens": 4}, "too small for pages of 16"),
 ])
 def test_bad_requests_answered_400(served, body, says):
     with pytest.raises(openai.BadRequestError) as e:

@@ -10,6 +10,7 @@ its rows of position_ids). See docs/SERVING.md.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from .checks import ServeSpec, ServingUnsupported, check_internals, check_servin
 from .evictor import KVReader, Track
 
 SCHEDULER_KEY = "epikv"
+RECENT_FINISHED = 256  # finished requests whose evicted-token count /stats lists (a ring: bounded on a long run)
 _RUNTIMES: dict[int, "Runtime"] = {}  # id(text config the cache is built from) -> runtime waiting for its scheduler
 _CLASS = None
 
@@ -51,7 +53,10 @@ class Runtime:
         self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
-                          soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, evicted={})
+                          soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, finished=0,
+                          evicted_tokens=0)
+        # tokens evicted per finished request, the newest RECENT_FINISHED only; the totals above count them all
+        self.finished_evicted: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -159,10 +164,23 @@ class Runtime:
         tr = self.tracks.pop(rid, None)
         if tr is not None:
             with self.lock:
-                self.stats["evicted"][rid] = tr.evicted
+                self.stats["finished"] += 1
+                self.stats["evicted_tokens"] += tr.evicted
+                ring = self.finished_evicted
+                ring[rid] = tr.evicted
+                while len(ring) > RECENT_FINISHED:
+                    ring.popitem(last=False)
 
     def pages_in_use(self) -> int:
-        return sum(len(t) for t in self.lay.block_table.values()) if self.lay is not None else 0
+        """Pages held by requests now (read live: any thread may ask while the loop allocates and frees)."""
+        if self.lay is None:
+            return 0
+        for _ in range(10):
+            try:
+                return sum(len(t) for t in list(self.lay.block_table.values()))
+            except RuntimeError:  # the table changed size while it was copied: read again
+                continue
+        return self.stats["pages_in_use"]
 
 
 def scheduler_class():
@@ -381,17 +399,21 @@ def prompt_refusal(manager, prompt_tokens: int) -> str | None:
 
 
 def serving_stats(manager) -> dict:
-    """Counters of a served manager: peak_pages, pages_in_use, pages_freed, evictions, max_in_flight,
-    preemptions (offloads + soft resets), and the tokens evicted per request (finished ones and live ones)."""
+    """Counters of a served manager: peak_pages, pages_in_use and pages_free (read now), pages_freed, evictions,
+    max_in_flight, preemptions (offloads + soft resets), finished requests and the tokens evicted from them, and the
+    tokens evicted per request for the live ones and the newest RECENT_FINISHED finished ones."""
     rt = getattr(manager, "_epikv_runtime", None)
     if rt is None:
         raise EpiKVError("this manager was not started by epikv.serving.start_manager")
     with rt.lock:
         st = dict(rt.stats)
-        evicted = dict(st["evicted"])
+        evicted = dict(rt.finished_evicted)
     for rid, tr in list(rt.tracks.items()):
         evicted[rid] = tr.evicted
-    st["evicted"] = evicted
+    st["evicted"] = evicted  # the live requests and the newest finished ones (counters: finished, evicted_tokens)
+    # live, not as of the last scheduled step: pages return when a request ends, after that step
+    st["pages_in_use"] = rt.pages_in_use()
+    st["pages_free"] = rt.lay.free_count() if rt.lay is not None else None
     st["preemptions"] = st["offloads"] + st["soft_resets"]
     # requests holding pages, over the forwards: the mean and median say what the cache sustains; the max is
     # often the first burst of prompts, admitted before any of them has grown
