@@ -235,7 +235,9 @@ def test_models_health_stats(served):
 
 
 @pytest.mark.parametrize("body, says", [
-    ({"prompt": "hi", "temperature": 0.7}, "greedily"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature must be"),
+    ({"prompt": "hi", "temperature": 0.7, "seed": -1}, "seed must be"),
+    ({"prompt": "hi", "temperature": 0.7, "top_k": 1.5}, "top_k must be"),
     ({"prompt": "hi", "n": 2}, "n must be 1"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -251,8 +253,33 @@ def test_models_health_stats(served):
 ])
 def test_bad_requests_answered_400(served, body, says):
     with pytest.raises(openai.BadRequestError) as e:
-        served.client.completions.create(**{"model": MODEL, **body})
+        extra = {k: body[k] for k in ("top_k", "min_p") if k in body}  # not in the client's signature
+        served.client.completions.create(**{"model": MODEL, **{k: v for k, v in body.items() if k not in extra}},
+                                         extra_body=extra or None)
     assert says in str(e.value)
+
+
+def test_sampled_requests_reproducible_by_seed(served):
+    """temperature 0.6, top-p 0.95 (DeepSeek's advice for R1): the same seed gives the same answer alone and among
+    eight concurrent others, streamed or not; other seeds give other answers."""
+    text = _texts(3)[2]
+    kw = dict(model=MODEL, prompt=text, max_tokens=40, temperature=0.6, top_p=0.95)
+    alone = served.client.completions.create(seed=11, **kw).choices[0]
+
+    def ask(i):
+        if i == 4:
+            parts = list(served.client.completions.create(seed=11, stream=True, **kw))
+            return "".join(p.choices[0].text for p in parts)
+        other = dict(kw, prompt=_texts(9)[i], max_tokens=20 + 5 * i)
+        return served.client.completions.create(seed=100 + i, **other).choices[0].text
+
+    with ThreadPoolExecutor(9) as ex:
+        got = list(ex.map(ask, range(9)))
+    assert got[4] == alone.text and alone.model_extra["token_ids"]
+    others = {served.client.completions.create(seed=s, **kw).choices[0].text for s in (12, 13, 14)}
+    assert alone.text not in others and len(others) > 1
+    greedy = served.client.completions.create(**dict(kw, temperature=0)).choices[0].text
+    assert greedy != alone.text
 
 
 def test_greedy_fields_accepted(served, lib):

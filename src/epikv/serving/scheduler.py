@@ -42,7 +42,11 @@ class Runtime:
         self.recent = policy.recent_window(spec.budget) if policy.evicts else 0
         self.device = model.get_input_embeddings().weight.device
         self.tracks: dict[str, Track] = {}
-        self.batch: list[tuple[str, Any, int, int]] | None = None  # (request id, state, stored before, new tokens)
+        # (request id, state, stored before, new tokens, whether the forward predicts its next token, tokens it
+        # has generated so far)
+        self.batch: list[tuple[str, Any, int, int, bool, int]] | None = None
+        self.samplers: dict = {}  # request id -> RequestSampler (serving/sampling.py); absent: greedy
+        self.logit_rows: list[int] | None = None  # per request of the batch, its row of the model's logits (or -1)
         self.open = False
         self.hidden: dict[int, torch.Tensor] = {}
         self.scheduler = self.cache = self.lay = self.manager = None
@@ -88,7 +92,7 @@ class Runtime:
         # only the generation loop's own forward, planned by the scheduler (not a forward of another thread)
         if self.batch is None or threading.get_ident() != self.loop_thread:
             return None
-        lens = [t for _, _, _, t in self.batch]
+        lens = [b[3] for b in self.batch]
         cu = kwargs.get("cu_seq_lens_q")
         pos = kwargs.get("position_ids")
         if pos is None or cu is None:
@@ -100,7 +104,16 @@ class Runtime:
             if cu.tolist()[: len(want)] != want:
                 raise ServingUnsupported("cu_seq_lens_q in schedule order", f"got {cu.tolist()}, expected {want}")
             self.checked_cu = True
-        offs = [self.tracks[rid].evicted for rid, _, _, _ in self.batch]
+        offs = [self.tracks[b[0]].evicted for b in self.batch]
+        # the logits the model returns: one row per position, or (logits_to_keep) one per request that predicts a
+        # token, in batch order
+        kept = "logits_to_keep" in kwargs
+        rows, j, end = [], 0, 0
+        for _, _, _, t, new, _ in self.batch:
+            end += t
+            rows.append((j if kept else end - 1) if new else -1)
+            j += bool(new)
+        self.logit_rows = rows
         if any(offs):  # true RoPE position = stored slot + tokens evicted before it
             add = torch.repeat_interleave(torch.tensor(offs), torch.tensor(lens))
             add = torch.nn.functional.pad(add, (0, pos.shape[-1] - add.shape[0]))  # padded rows (none here)
@@ -114,10 +127,12 @@ class Runtime:
             return None
         self.open = False
         batch, self.batch = self.batch, None
+        if self.samplers:
+            self._sample(batch, output)
         if not self.policy.evicts:
             return None
         a = 0
-        for rid, state, n_old, t in batch:
+        for rid, state, n_old, t, _, _ in batch:
             tr = self.tracks.get(rid)
             if tr is not None:
                 hidden = {l: h[:, a:a + t] for l, h in self.hidden.items()}
@@ -125,6 +140,17 @@ class Runtime:
             a += t
         self.hidden = {}
         return None
+
+    def _sample(self, batch, output) -> None:
+        """Replace each sampled request's logits row by its own sampler's choice (serving/sampling.py)."""
+        from .sampling import force
+
+        logits = output.logits if hasattr(output, "logits") else output[0]  # [1, rows, vocab]
+        for (rid, _, _, _, new, step), row in zip(batch, self.logit_rows):
+            smp = self.samplers.get(rid)
+            if smp is None or not new or row < 0:
+                continue
+            force(logits[0, row], smp.choose(logits[0, row], step))
 
     def kv(self, rid: str) -> KVReader:
         return KVReader(self.lay, rid, self.obs, self.policy)
@@ -277,7 +303,8 @@ def scheduler_class():
                     rid = state.request_id
                     if rid not in rt.tracks:
                         rt.tracks[rid] = rt.new_track(state)
-                    batch.append((rid, state, state.position_offset, fs.query_length))
+                    batch.append((rid, state, state.position_offset, fs.query_length, bool(fs.has_new_token),
+                                  len(state.generated_tokens)))
                     if not fs.has_new_token and not getattr(state, "_epikv_chunked", False):
                         state._epikv_chunked = True  # its prefill continues in a later forward: chunked
                         rt.stats["chunked_prefills"] += 1
