@@ -81,8 +81,11 @@ class Served:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def get(self, path):
+        return json.loads(self.get_text(path))
+
+    def get_text(self, path):
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
+            return r.read().decode()
 
     def post_raw(self, path, body):
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
