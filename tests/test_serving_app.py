@@ -233,3 +233,20 @@ def test_metrics_parsed_by_prometheus_client(request, tok):
     assert value("epikv_cache_pages_in_use") == 3 and value("epikv_cache_pages_free") == 61
     assert value("epikv_evictions", "_total") == 7 and value("epikv_preemptions", "_total") == 1
     assert value("epikv_evicted_tokens", "_total") == 112
+
+
+def test_bench_drive_samples_each_request_with_its_seed(request, tok):
+    """bench serve's load generator: with sampling, request i carries temperature, top_p and seed + i."""
+    import asyncio
+
+    from epikv.bench.serve import drive
+
+    backend = Scripted(tok, eos=tok.eos_token_id)
+    app = _app(request, tok, backend=backend)
+    res = asyncio.run(drive(app.url, "scripted", [MSGS] * 3, 2, 5, 30, ignore_eos=False,
+                            sampling={"temperature": 0.6, "top_p": 0.95, "seed": 3}))
+    assert all(r["tokens"] == 5 for r in res["records"])
+    assert sorted(seed for _, _, seed in backend.submitted) == [3, 4, 5]
+    assert {(s.temperature, s.top_p, s.draw) for _, s, _ in backend.submitted} == {(0.6, 0.95, "gumbel")}
+    asyncio.run(drive(app.url, "scripted", [MSGS], 1, 5, 30, ignore_eos=False))
+    assert backend.submitted[-1][1] is None  # greedy

@@ -316,6 +316,9 @@ def test_refusals_exit_2_one_line():
             ((*base, "--port", "70000"), "", "port"),
             ((*base, "--port", str(busy.getsockname()[1])), "", "cannot listen on 127.0.0.1"),
             ((*base, "--port", "0"), block, "pip install 'epikv[serve]'"),  # fastapi missing: the extra is named
+            ((*base, "--drain-timeout", "-1"), "", "drain-timeout"),
+            ((*base, "--max-waiting", "0"), "", "max-waiting"),
+            ((*base, "--reasoning-parser", "nope"), "", "reasoning-parser"),
         ]
         with ThreadPoolExecutor(3) as ex:  # each is a fresh interpreter: run a few at once
             runs = list(ex.map(lambda c: _cli(*c[0], pre=c[1]), cases))
@@ -340,6 +343,16 @@ def test_bench_serve_end_to_end(tmp_path):
               "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
               "--max-prompt-tokens", "60", "--timeout", "120", "--out", str(out), timeout=200)
     assert r2.returncode == 0 and r2.stderr.count("reusing the finished row") == 2, r2.stderr
+    # sampled (temperature 0.6, top-p 0.95, a seed per request): new rows beside the greedy ones, not reused
+    r3 = _cli("bench", "serve", "--model", MODEL, "--policies", "full,epikv", "--budgets", "128", "--page", "16",
+              "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
+              "--max-prompt-tokens", "60", "--timeout", "120", "--temperature", "0.6", "--top-p", "0.95",
+              "--out", str(out), timeout=200)
+    assert r3.returncode == 0 and "reusing" not in r3.stderr, r3.stderr
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [x["settings"].get("sampling") for x in rows] == [None, None] + [
+        {"temperature": 0.6, "top_p": 0.95, "seed": 0}] * 2
+    assert "sampled (temperature 0.6, top-p 0.95, seed 0 + i)" in (out / "table.md").read_text()
 
 
 def test_bench_summary_counts_cut_requests():

@@ -12,7 +12,7 @@ import time
 
 from ..errors import EpiKVError
 from ..serving.reasoning import PARSERS
-from .common import add_model_args, add_policy_args, load, positive_int, settings_by_policy
+from .common import add_model_args, add_policy_args, load, nonneg_float, positive_int, settings_by_policy
 
 _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -24,16 +24,6 @@ def _port(text: str) -> int:
         v = -1
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0: any free port), got {text!r}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not (v >= 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return v
 
 
@@ -65,10 +55,10 @@ def register(sub) -> None:
     h.add_argument("--max-waiting", type=positive_int, default=None,
                    help="requests waiting for their first token beyond which a request gets 429 with Retry-After "
                         "(default: no bound)")
-    h.add_argument("--request-timeout", type=_seconds, default=None,
+    h.add_argument("--request-timeout", type=nonneg_float, default=None,
                    help="seconds a request may run; then it is cancelled and answered 504 (streamed: an error "
                         "event) (default: no limit)")
-    h.add_argument("--drain-timeout", type=_seconds, default=30.0,
+    h.add_argument("--drain-timeout", type=nonneg_float, default=30.0,
                    help="on SIGTERM / SIGINT: stop admitting (503), let requests in flight finish for up to this "
                         "many seconds, then end each open one with an error; exit 0 (default 30; a second signal "
                         "stops at once)")
