@@ -9,24 +9,9 @@ import torch
 
 from epikv import Sampling, generate
 from epikv.serving import ServeSpec, start_manager
+from test_serving import _prompts, cb_internals  # noqa: F401  (the skip on an untested transformers; prompts)
 
 K, PAGE, RECENT, NEW = 64, 8, 16, 70
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cb_internals():
-    from epikv.serving import ServingUnsupported
-    from epikv.serving.checks import check_internals
-
-    try:
-        check_internals()
-    except ServingUnsupported as e:
-        pytest.skip(f"transformers lacks {e.missing}")
-
-
-def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
 
 
 class Engine:
