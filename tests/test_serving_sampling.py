@@ -52,8 +52,10 @@ class Engine:
         self.manager.stop(block=True, timeout=60)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine(tiny):
+    """Function-scoped: on transformers 5.17 a running manager leaves the model on paged attention, so the library's
+    own runs (plain forwards) happen before it starts or after it stops."""
     e = Engine(tiny)
     yield e
     e.stop()
@@ -76,19 +78,23 @@ def test_seeded_request_alone_or_among_eight_others(engine):
     assert greedy != alone  # it really sampled
 
 
-def test_equals_the_librarys_generate_with_the_same_seed(engine, tiny):
+def test_equals_the_librarys_generate_with_the_same_seed(tiny):
     """One sampler for both: the served tokens equal epikv.generate's with the same policy (page rule), settings
     and seed."""
     prompts = _prompts((23, 32, 11), seed=3)
     sampling = Sampling(temperature=0.7, top_p=0.9, top_k=50, draw="gumbel")
-    served = engine.run([(p, sampling, 50 + i, NEW) for i, p in enumerate(prompts)])
+    engine = Engine(tiny)
+    try:
+        served = engine.run([(p, sampling, 50 + i, NEW) for i, p in enumerate(prompts)])
+    finally:
+        engine.stop()
     for i, p in enumerate(prompts):
         ref = generate(tiny.model, tiny.tokenizer, [p], policy="epikv", budget=K, page=PAGE, recent=RECENT,
                        max_new_tokens=NEW, sampling=sampling, seeds=[50 + i], eos_token_ids=[-1])
         assert served[i] == ref.token_ids[0], f"prompt {i} differs from generate"
 
 
-def test_first_token_follows_the_softmax(engine, tiny):
+def test_first_token_follows_the_softmax(tiny):
     """Over 1,500 seeds the first sampled token of one prompt follows softmax(top-4 logits / T) (chi-square);
     a wrong temperature (2T, or none) or a row of another request fails it."""
     from scipy.stats import chisquare
@@ -108,7 +114,11 @@ def test_first_token_follows_the_softmax(engine, tiny):
         reqs.append((p, sampling, s, 1))
         if s % 50 == 0:
             reqs.append((other, None, 0, 1))
-    got = [t[0] for t, r in zip(engine.run(reqs), reqs) if r[0] is p]
+    engine = Engine(tiny)  # after the plain forward above
+    try:
+        got = [t[0] for t, r in zip(engine.run(reqs), reqs) if r[0] is p]
+    finally:
+        engine.stop()
     ids = top.indices.tolist()
     assert set(got) <= set(ids)
     counts = [got.count(i) for i in ids]
