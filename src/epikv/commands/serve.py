@@ -157,8 +157,7 @@ def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
             if server.draining:
                 userver.force_exit = userver.should_exit = True
                 return
-            server.draining = True
-            server.drain_deadline = time.monotonic() + args.drain_timeout
+            server.start_drain(args.drain_timeout)
             threading.Thread(target=_drain, args=(server, userver, args.drain_timeout), name="epikv-serve-drain",
                              daemon=True).start()
 

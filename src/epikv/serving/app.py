@@ -116,6 +116,7 @@ class Server:
         self.counters = Counters()
         self.per_request_eos = backend.per_request_eos
         self.draining = False
+        self.drain_deadline: float | None = None  # time.monotonic() at which the drain ends open requests
         self._pending: dict[str, _Pending] = {}
         self._done_times: collections.deque = collections.deque(maxlen=256)  # recent completions, for Retry-After
         self._lock = threading.Lock()
@@ -202,8 +203,14 @@ class Server:
             self.metrics.requests.labels("rejected").inc()
             raise busy
 
+    def start_drain(self, timeout: float) -> None:
+        """Stop admitting (503 with Retry-After); the caller ends what is still open after `timeout` seconds."""
+        self.drain_deadline = time.monotonic() + timeout
+        self.draining = True
+
     def drain_left(self) -> int:
-        return max(1, math.ceil(getattr(self, "drain_deadline", time.monotonic()) - time.monotonic()))
+        left = (self.drain_deadline or time.monotonic()) - time.monotonic()
+        return max(1, math.ceil(min(left, 3600)))
 
     # ------------------------------------------------------------------ one request
     def submit(self, input_ids: list[int], max_tokens: int, *, sampling: Sampling | None, seed: int,
