@@ -22,7 +22,8 @@ if [ $# -gt 0 ]; then
 else
     TESTS=()
     for t in tests/test_engine.py tests/test_dropin.py tests/test_refill.py tests/test_hybrid.py tests/test_press.py tests/test_custom_policy.py tests/test_cli.py tests/test_speed_reference.py \
-             tests/test_serving.py tests/test_serving_versions.py tests/test_serving_http.py; do
+             tests/test_serving.py tests/test_serving_versions.py tests/test_serving_http.py tests/test_serving_sampling.py \
+             tests/test_serving_app.py; do
         [ -f "$t" ] && TESTS+=("$t")
     done
 fi

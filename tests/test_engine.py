@@ -199,6 +199,39 @@ def test_sampling_seeded(tiny):
     assert s1.token_ids == s2.token_ids != s3.token_ids
 
 
+def test_gumbel_draw_per_row_and_robust_to_rounding(tiny):
+    """draw="gumbel" (what epikv serve uses): seeded per row (a row's tokens the same alone and in a batch), and a
+    token drawn from logits moved by rounding-sized noise stays the same (the inverse CDF of a flat distribution
+    does not)."""
+    import torch
+
+    from epikv import Sampling
+    from epikv.engine import Sampler
+
+    kw = dict(policy="full", budget=None, max_new_tokens=20, eos_token_ids=[])
+    smp = Sampling(0.8, 0.95, seed=5, draw="gumbel")
+    alone = generate(tiny.model, tiny.tokenizer, PROMPTS[1], sampling=smp, seeds=[9], **kw).token_ids[0]
+    both = generate(tiny.model, tiny.tokenizer, [PROMPTS[0], PROMPTS[1]], sampling=smp, seeds=[4, 9], **kw)
+    assert both.token_ids[1] == alone and both.token_ids[0] != alone
+    greedy = generate(tiny.model, tiny.tokenizer, PROMPTS[1], **kw).token_ids[0]
+    assert alone != greedy
+    # flat distributions over 49,152 tokens (a random model's), their logits moved by 1e-4 (rounding in another
+    # batch composition)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(128, 49152, generator=g) * 1e-3
+    moved = logits + torch.randn(128, 49152, generator=g) * 1e-4
+    ids = torch.zeros(128, 1, dtype=torch.long)
+    flips = {}
+    for draw in ("gumbel", "cdf"):
+        cfg = Sampling(1.0, draw=draw)
+        a = Sampler(cfg, range(128), ids, [0] * 128, 4, "cpu")(logits, 0)
+        b = Sampler(cfg, range(128), ids, [0] * 128, 4, "cpu")(moved, 0)
+        flips[draw] = int((a != b).sum())
+    assert flips["gumbel"] == 0 and flips["cdf"] > 0, flips
+    with pytest.raises(EpiKVError, match="draw must be"):
+        Sampling(0.5, draw="multinomial")
+
+
 def test_top_k_one_is_greedy(tiny):
     from epikv import Sampling
 

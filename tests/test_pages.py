@@ -11,7 +11,7 @@ from epikv import EpiKVError, get_policy
 from epikv.cli import main
 from epikv.engine import Decoder
 from epikv.policies import CacheView, select_keep
-from epikv.policies.pages import page_keep
+from epikv.policies.pages import page_keep, page_overflow
 
 
 def view(n, budget, recent, n_protect, n_pad=(0,)):
@@ -153,6 +153,33 @@ def test_budget_too_small_for_the_protected_pages():
     with pytest.raises(EpiKVError, match="too small for pages of 4"):
         page_keep(torch.zeros(1, 42), view(42, 16, 7, 5), 4)
     assert page_keep(torch.zeros(1, 42), view(42, 16, 6, 5), 4).shape == (1, 14)
+
+
+def _refuses_somewhere(budget, page, prot, recent, upto):
+    for n in range(budget + 1, upto):
+        try:
+            page_keep(torch.zeros(1, n), view(n, budget, recent, prot), page)
+        except EpiKVError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("budget, page, recent", [(16, 4, 6), (16, 4, 7), (128, 16, 32), (64, 8, 0), (40, 8, 13),
+                                                  (42, 8, 5), (30, 4, 9), (45, 8, 11), (50, 16, 3)])
+def test_page_overflow_up_front_agrees_with_page_keep(budget, page, recent):
+    """The up-front check refuses exactly the protected lengths page_keep would refuse at some cache length (and
+    with its line), so a served request is refused before admission instead of failing mid-answer."""
+    for prot in range(0, budget - recent + 1):
+        got = page_overflow(budget, page, prot, recent)
+        want = _refuses_somewhere(budget, page, prot, recent, budget + prot + recent + 4 * page)
+        assert (got is None) == (want is None), (prot, got, want)
+        if got:
+            assert "too small for pages of" in got
+    # the issue's case: 94 protected + 32 recent fit K = 128 in tokens, not in pages of 16 (6 + 3 pages > 8)
+    assert "need 129 slots" in page_overflow(128, 16, 94, 32)
+    pol = get_policy("epikv", page=16)
+    assert pol.protected_overflow(128, 32, 94) == page_overflow(128, 16, 94, 32)
+    assert get_policy("epikv").protected_overflow(128, 32, 94) is None  # token granularity: it fits
 
 
 @pytest.mark.parametrize("tau", [1, 5])

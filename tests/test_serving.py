@@ -178,6 +178,34 @@ def test_cancel_and_finish_drop_state(tiny):
     assert getattr(tiny.model, "_epikv_serving", None) is None  # hooks removed at stop
 
 
+def test_stats_live_pages_and_bounded_history(tiny, monkeypatch):
+    """/stats' pages_in_use is read live (pages return after the last scheduled step, when nothing else runs), and
+    finished requests are kept in counters and a ring of the newest, never one entry per request ever served."""
+    from transformers import GenerationConfig
+
+    from epikv.serving import scheduler as sched
+
+    monkeypatch.setattr(sched, "RECENT_FINISHED", 3)
+    spec = ServeSpec(policy="epikv", budget=64, page=8, num_blocks=64, max_batch_tokens=32, recency=16)
+    manager = start_manager(tiny.model, spec, GenerationConfig(do_sample=False, max_new_tokens=80, eos_token_id=-1))
+    try:
+        prompts = _prompts((12, 20, 9, 15, 11))
+        for i, p in enumerate(prompts):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=80)
+        _collect(manager, len(prompts))
+        end = time.monotonic() + 10
+        st = serving_stats(manager)
+        while st["pages_in_use"] and time.monotonic() < end:  # the last request's pages return after its output
+            time.sleep(0.05)
+            st = serving_stats(manager)
+        assert st["peak_pages"] > 0 and st["pages_in_use"] == 0 and st["pages_free"] == st["num_blocks"]
+        assert st["finished"] == 5 and st["evicted_tokens"] > 0
+        assert len(st["evicted"]) == 3  # the ring: the newest three finished requests
+        assert st["evicted_tokens"] >= sum(st["evicted"].values())
+    finally:
+        manager.stop(block=True, timeout=60)
+
+
 def test_manager_reset_drops_state(tiny):
     """A reset of the scheduler (transformers resets the batch processor when a kept manager restarts) drops every
     per-request state."""

@@ -83,8 +83,11 @@ class Served:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def get(self, path):
+        return json.loads(self.get_text(path))
+
+    def get_text(self, path):
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
+            return r.read().decode()
 
     def post_raw(self, path, body):
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
@@ -242,7 +245,9 @@ def test_models_health_stats(served):
 
 
 @pytest.mark.parametrize("body, says", [
-    ({"prompt": "hi", "temperature": 0.7}, "greedily"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature must be"),
+    ({"prompt": "hi", "temperature": 0.7, "seed": -1}, "seed must be"),
+    ({"prompt": "hi", "temperature": 0.7, "top_k": 1.5}, "top_k must be"),
     ({"prompt": "hi", "n": 2}, "n must be 1"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -253,11 +258,38 @@ def test_models_health_stats(served):
     # the protected prompt + the recency window (K // 4) over K: refused up front, not failed after admission
     ({"prompt": "one two three four five six seven eight nine ten " * 12, "max_tokens": 4},
      "smaller than what is protected"),
+    # 94 + 32 tokens fit K = 128, but their pages of 16 do not (6 + 3 > 8): the same up-front 400, not a 500 later
+    ({"prompt": [100] * 94, "max_tokens": 4}, "too small for pages of 16"),
 ])
 def test_bad_requests_answered_400(served, body, says):
     with pytest.raises(openai.BadRequestError) as e:
-        served.client.completions.create(**{"model": MODEL, **body})
+        extra = {k: body[k] for k in ("top_k", "min_p") if k in body}  # not in the client's signature
+        served.client.completions.create(**{"model": MODEL, **{k: v for k, v in body.items() if k not in extra}},
+                                         extra_body=extra or None)
     assert says in str(e.value)
+
+
+def test_sampled_requests_reproducible_by_seed(served):
+    """temperature 0.6, top-p 0.95 (DeepSeek's advice for R1): the same seed gives the same answer alone and among
+    eight concurrent others, streamed or not; other seeds give other answers."""
+    text = _texts(3)[2]
+    kw = dict(model=MODEL, prompt=text, max_tokens=40, temperature=0.6, top_p=0.95)
+    alone = served.client.completions.create(seed=11, **kw).choices[0]
+
+    def ask(i):
+        if i == 4:
+            parts = list(served.client.completions.create(seed=11, stream=True, **kw))
+            return "".join(p.choices[0].text for p in parts)
+        other = dict(kw, prompt=_texts(9)[i], max_tokens=20 + 5 * i)
+        return served.client.completions.create(seed=100 + i, **other).choices[0].text
+
+    with ThreadPoolExecutor(9) as ex:
+        got = list(ex.map(ask, range(9)))
+    assert got[4] == alone.text and alone.model_extra["token_ids"]
+    others = {served.client.completions.create(seed=s, **kw).choices[0].text for s in (12, 13, 14)}
+    assert alone.text not in others and len(others) > 1
+    greedy = served.client.completions.create(**dict(kw, temperature=0)).choices[0].text
+    assert greedy != alone.text
 
 
 def test_greedy_fields_accepted(served, lib):
@@ -291,6 +323,9 @@ def test_refusals_exit_2_one_line():
             ((*base, "--port", "70000"), "", "port"),
             ((*base, "--port", str(busy.getsockname()[1])), "", "cannot listen on 127.0.0.1"),
             ((*base, "--port", "0"), block, "pip install 'epikv[serve]'"),  # fastapi missing: the extra is named
+            ((*base, "--drain-timeout", "-1"), "", "drain-timeout"),
+            ((*base, "--max-waiting", "0"), "", "max-waiting"),
+            ((*base, "--reasoning-parser", "nope"), "", "reasoning-parser"),
         ]
         with ThreadPoolExecutor(3) as ex:  # each is a fresh interpreter: run a few at once
             runs = list(ex.map(lambda c: _cli(*c[0], pre=c[1]), cases))
@@ -315,6 +350,16 @@ def test_bench_serve_end_to_end(tmp_path):
               "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
               "--max-prompt-tokens", "60", "--timeout", "120", "--out", str(out), timeout=200)
     assert r2.returncode == 0 and r2.stderr.count("reusing the finished row") == 2, r2.stderr
+    # sampled (temperature 0.6, top-p 0.95, a seed per request): new rows beside the greedy ones, not reused
+    r3 = _cli("bench", "serve", "--model", MODEL, "--policies", "full,epikv", "--budgets", "128", "--page", "16",
+              "--num-blocks", "40", "--requests", "3", "--concurrency", "3", "--max-tokens", "16",
+              "--max-prompt-tokens", "60", "--timeout", "120", "--temperature", "0.6", "--top-p", "0.95",
+              "--out", str(out), timeout=200)
+    assert r3.returncode == 0 and "reusing" not in r3.stderr, r3.stderr
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [x["settings"].get("sampling") for x in rows] == [None, None] + [
+        {"temperature": 0.6, "top_p": 0.95, "seed": 0}] * 2
+    assert "sampled (temperature 0.6, top-p 0.95, seed 0 + i)" in (out / "table.md").read_text()
 
 
 def test_bench_summary_counts_cut_requests():

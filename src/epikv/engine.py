@@ -27,12 +27,21 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+DRAWS = ("cdf", "gumbel")
+
+
 @dataclass
 class Sampling:
     """temperature 0 = greedy; otherwise sampling after transformers' own logits processors, in model.generate's
     order: repetition penalty (1 = off; greedy too), temperature, top-k (0 = off), top-p (1 = off), min-p (0 = off).
     `seed`: row i of a batch draws from its own stream seeded `seed + i`, unless generate(seeds=...) gives each row
-    its seed; a row's tokens never depend on the other rows of its batch."""
+    its seed; a row's tokens never depend on the other rows of its batch.
+    `draw`: how a token is drawn from the processed scores. "cdf" (default): one uniform per step, inverse CDF.
+    "gumbel": Gumbel-max, argmax(scores + Gumbel noise), one noise value per vocabulary entry and step from the
+    row's seeded stream. Both sample the same distribution; Gumbel-max changes a token only when float noise in the
+    logits reorders its two best perturbed scores, so it stays the same when the logits move by rounding (another
+    batch composition in a serving engine), where the inverse CDF moves across thousands of close boundaries of a
+    flat distribution. `epikv serve` draws with "gumbel"."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -40,8 +49,11 @@ class Sampling:
     seed: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    draw: str = "cdf"
 
     def __post_init__(self):
+        if self.draw not in DRAWS:
+            raise EpiKVError(f"draw must be one of {', '.join(DRAWS)}, got {self.draw!r}")
         if not (_number(self.temperature) and self.temperature >= 0):
             raise EpiKVError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not (_number(self.top_p) and 0 < self.top_p <= 1):
@@ -117,6 +129,15 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last)
 
 
+def gumbel_max(scores: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row by Gumbel-max: argmax(scores + G), G = -log(-log(U)) with U drawn (on the host) from row i's
+    generator gens[i], one per vocabulary entry. scores [batch, vocab]: log-probabilities up to a constant (-inf:
+    never drawn)."""
+    u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in gens])
+    noise = -torch.log(-torch.log(u.clamp(min=1e-300)))  # [batch, vocab]; U = 0 would give -inf, never +inf
+    return (scores.double() + noise.to(scores.device)).argmax(dim=-1)
+
+
 class Sampler:
     """Next tokens of a batch: transformers' logits processors over the ids so far (prompt + generated, kept on the
     device), then argmax (greedy) or one inverse-CDF draw per row from that row's own seeded stream of uniforms.
@@ -135,7 +156,10 @@ class Sampler:
         ids = torch.where(torch.arange(p)[None, :] < torch.tensor(list(n_pad))[:, None], first[:, None], prompt_ids)
         self.ids = torch.cat([ids, torch.zeros(b, max_new_tokens, dtype=torch.long)], dim=1).to(device)
         self.u = None
-        if not self.greedy:
+        self.gumbel = cfg.draw == "gumbel"
+        if not self.greedy and self.gumbel:  # one host stream per row, drawn from step by step
+            self.gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        elif not self.greedy:
             u = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s)))
                              for s in seeds])  # [batch, max_new_tokens]
             self.u = u.to(device)  # before the prefill: nothing queued to wait for
@@ -159,6 +183,8 @@ class Sampler:
         scores = self.scores(logits, step)
         if self.greedy:
             return scores.argmax(dim=-1)
+        if self.gumbel:
+            return gumbel_max(scores, self.gens)
         return draw(scores.softmax(-1), self.u[:, step].to(scores.device))
 
 

@@ -111,16 +111,17 @@ def get_json(url: str, timeout: float = 10) -> dict:
 
 
 # ---------------------------------------------------------------------- load
-async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, seen: dict) -> dict:
-    """One streamed chat request; `seen["tokens"]` follows the tokens received, so a request cut by the row's
-    timeout still counts what it streamed."""
+async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, seen: dict,
+               sampling: dict | None = None) -> dict:
+    """One streamed chat request (greedy, or `sampling`: temperature, top_p and this request's seed); `seen["tokens"]`
+    follows the tokens received, so a request cut by the row's timeout still counts what it streamed."""
     t0 = time.perf_counter()
     first = None
     ids: list[int] = []
     finish = None
     seen["tokens"] = 0
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                  temperature=0, stream=True,
+                                                  stream=True, **(sampling or {"temperature": 0}),
                                                   extra_body={"ignore_eos": True} if ignore_eos else None)
     async for chunk in stream:
         if not chunk.choices:
@@ -136,8 +137,9 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore
 
 
 async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrency: int, max_tokens: int,
-                timeout: float, ignore_eos: bool = True, on_done=None) -> dict:
-    """Send every prompt (chat messages) at `concurrency`, all within `timeout` seconds; per-request records."""
+                timeout: float, ignore_eos: bool = True, on_done=None, sampling: dict | None = None) -> dict:
+    """Send every prompt (chat messages) at `concurrency`, all within `timeout` seconds; per-request records.
+    sampling: {temperature, top_p, seed}: request i is sampled with seed + i (None: greedy)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="epikv", max_retries=0, timeout=timeout)
@@ -148,7 +150,8 @@ async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrenc
     async def worker(i: int, msgs: list[dict]):
         async with sem:
             try:
-                records[i] = await _one(client, model, msgs, max_tokens, ignore_eos, seen[i])
+                own = None if sampling is None else {**sampling, "seed": sampling["seed"] + i}
+                records[i] = await _one(client, model, msgs, max_tokens, ignore_eos, seen[i], own)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one failed request is a row entry, not the end of the run
@@ -263,7 +266,7 @@ def read_done(path: Path) -> dict[str, dict]:
 
 def run_row(row: Row, server_argv: list[str], prompts: list[list[dict]], concurrency: int, max_tokens: int,
             timeout: float, log: Path | None, url: str | None = None, model_name: str = "",
-            startup_timeout: float = 600, say=print) -> dict:
+            startup_timeout: float = 600, say=print, sampling: dict | None = None) -> dict:
     srv = None
     if url is None:
         argv = list(server_argv) + ["--policy", row.policy]
@@ -282,7 +285,8 @@ def run_row(row: Row, server_argv: list[str], prompts: list[list[dict]], concurr
             what = rec.get("error") or f"{rec['tokens']} tokens in {rec['latency_s']:.1f} s"
             say(f"  {row.label}: request {i} done ({n[0]}/{len(prompts)}): {what}")
 
-        res = asyncio.run(drive(url, model, prompts, concurrency, max_tokens, timeout, on_done=done))
+        res = asyncio.run(drive(url, model, prompts, concurrency, max_tokens, timeout, on_done=done,
+                                sampling=sampling))
         stats = get_json(url + "/stats")
     finally:
         if srv is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import EpiKVError
 from .common import (add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, nonneg_int, out_dir,
-                     out_file, positive_int, settings_by_policy)
+                     out_file, positive_int, settings_by_policy, top_p_float)
 
 
 def register(sub) -> None:
@@ -103,6 +103,10 @@ def register(sub) -> None:
     v.add_argument("--requests", type=positive_int, default=32, help="requests per policy (R)")
     v.add_argument("--concurrency", type=positive_int, default=32, help="requests open at once (C)")
     v.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens generated per request (forced)")
+    v.add_argument("--temperature", type=nonneg_float, default=0.0,
+                   help="sample every request at this temperature (0: greedy, the default)")
+    v.add_argument("--top-p", type=top_p_float, default=1.0, help="top-p of sampled requests (default 1: off)")
+    v.add_argument("--seed", type=nonneg_int, default=0, help="request i of a sampled run gets seed + i (default 0)")
     v.add_argument("--timeout", type=positive_int, default=3600, help="seconds per policy run, all requests")
     v.add_argument("--data", default="math500", help="dataset name or JSONL path (fields id, problem, answer)")
     v.add_argument("--data-dir", default=None, help="folder of the named datasets (default: ../shared/data)")
@@ -148,6 +152,10 @@ def run_serve(args) -> int:
               "concurrency": args.concurrency, "max_tokens": args.max_tokens, "data": args.data,
               "max_batch_tokens": args.max_batch_tokens, "url": args.url,
               "max_prompt_tokens": args.max_prompt_tokens}
+    sampling = None
+    if args.temperature > 0:  # in the key only when sampled, so greedy rows recorded before stay reusable
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        common["sampling"] = sampling
     server_argv = ["--model", args.model, "--page", str(args.page), "--max-batch-tokens", str(args.max_batch_tokens),
                    "--max-tokens", str(args.max_tokens)]
     if args.num_blocks:
@@ -166,7 +174,8 @@ def run_serve(args) -> int:
             continue
         say(f"{row.label}: {args.requests} requests x {args.max_tokens} tokens at concurrency {args.concurrency}")
         rec = run_row(row, server_argv, prompts, args.concurrency, args.max_tokens, args.timeout,
-                      log=out / f"server-{row.label.replace(' ', '_').replace('=', '')}.log", url=args.url, say=say)
+                      log=out / f"server-{row.label.replace(' ', '_').replace('=', '')}.log", url=args.url, say=say,
+                      sampling=sampling)
         rec.update(kind="serve", key=key, data=source, environment=_environment(), settings=common)
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -201,8 +210,10 @@ def run_serve(args) -> int:
                 f.write(json.dumps({"kind": "equal_batch", "key": ekey, "points": eq,
                                     "environment": _environment()}) + "\n")
     text = table(recs, eq)
+    how = (f"sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed} + i)" if sampling
+           else "greedy")
     head = (f"{args.model}, page {args.page}, {args.num_blocks} blocks, {args.requests} requests x {args.max_tokens} "
-            f"tokens (forced), concurrency {args.concurrency}, data {args.data}\n\n")
+            f"tokens (forced), concurrency {args.concurrency}, data {args.data}, {how}\n\n")
     (out / "table.md").write_text(head + text)
     if recs:
         plot(recs, out / "serve.png", head.strip())

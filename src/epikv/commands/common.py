@@ -33,6 +33,7 @@ def _number(cast, ok, expected: str):
 positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 nonneg_float = _number(float, lambda v: v >= 0, "a number >= 0")  # also refuses nan
+top_p_float = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def read_text(path: str, what: str = "") -> str:

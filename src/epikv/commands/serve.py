@@ -7,11 +7,14 @@ import importlib
 import signal
 import socket
 import sys
+import threading
+import time
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, positive_int, settings_by_policy
+from ..serving.reasoning import PARSERS
+from .common import add_model_args, add_policy_args, load, nonneg_float, positive_int, settings_by_policy
 
-_NEEDS = ("fastapi", "uvicorn")
+_NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def _port(text: str) -> int:
@@ -27,9 +30,10 @@ def _port(text: str) -> int:
 def register(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server with eviction inside continuous batching",
                        description="Serve the model over HTTP (POST /v1/completions, /v1/chat/completions, streamed "
-                                   "or not; GET /v1/models, /health, /stats) on transformers' continuous batching, "
-                                   "each request's KV cache kept within --budget tokens by dropping whole pages. "
-                                   "Greedy decoding. Needs `pip install 'epikv[serve]'`.")
+                                   "or not; GET /v1/models, /health, /stats, /metrics) on transformers' continuous "
+                                   "batching, each request's KV cache kept within --budget tokens by dropping whole "
+                                   "pages. Greedy unless a request asks for sampling (temperature, top_p, top_k, "
+                                   "min_p, seed). Needs `pip install 'epikv[serve]'`.")
     add_model_args(p)
     add_policy_args(p)
     g = p.add_argument_group("paged cache")
@@ -45,6 +49,19 @@ def register(sub) -> None:
     h.add_argument("--max-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that names none (default 256)")
     h.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    h.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="return the thinking part of chat answers (<think>...</think>) as reasoning_content, "
+                        "whole and streamed (default: off, all in content)")
+    h.add_argument("--max-waiting", type=positive_int, default=None,
+                   help="requests waiting for their first token beyond which a request gets 429 with Retry-After "
+                        "(default: no bound)")
+    h.add_argument("--request-timeout", type=nonneg_float, default=None,
+                   help="seconds a request may run; then it is cancelled and answered 504 (streamed: an error "
+                        "event) (default: no limit)")
+    h.add_argument("--drain-timeout", type=nonneg_float, default=30.0,
+                   help="on SIGTERM / SIGINT: stop admitting (503), let requests in flight finish for up to this "
+                        "many seconds, then end each open one with an error; exit 0 (default 30; a second signal "
+                        "stops at once)")
     h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     p.set_defaults(run=run)
@@ -86,7 +103,7 @@ def run(args) -> int:
 
     from ..engine import eos_ids
     from ..policies import REGISTRY
-    from ..serving import ServeSpec, check_serving, serving_stats, start_manager
+    from ..serving import ServeSpec, check_serving, start_manager
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,18 +116,19 @@ def run(args) -> int:
     check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
     sock = _bind(args.host, args.port)
     try:
-        return _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids)
+        return _serve(args, lm, spec, sock, evicts, start_manager, eos_ids)
     finally:
         sock.close()
 
 
-def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) -> int:
+def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
     from transformers import GenerationConfig
 
     from ..serving.app import Server, build_app
-    from ..serving.scheduler import prompt_refusal
+    from ..serving.backend import TransformersBackend
     eos = eos_ids(lm.model, lm.tokenizer)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    # the engine decodes greedily; a sampled request's own sampler picks its tokens (serving/sampling.py)
     gc = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos or -1, pad_token_id=pad)
     capacity = args.num_blocks * args.page
     manager = start_manager(lm.model, spec, gc)
@@ -118,12 +136,15 @@ def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) 
     try:
         # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
         # budget keeps the rest within K)
-        server = Server(manager, lm.tokenizer, model_name=args.model, eos=eos, default_max_tokens=args.max_tokens,
-                        max_positions=_max_positions(lm.model), prompt_limit=capacity if evicts else None,
-                        total_limit=None if evicts else capacity, stats=serving_stats,
-                        prompt_check=lambda n: prompt_refusal(manager, n),
+        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=args.model, eos=eos,
+                        default_max_tokens=args.max_tokens, max_positions=_max_positions(lm.model),
+                        prompt_limit=capacity if evicts else None, total_limit=None if evicts else capacity,
+                        max_waiting=args.max_waiting, request_timeout=args.request_timeout,
+                        reasoning_parser=args.reasoning_parser,
                         info={"model": args.model, "policy": spec.policy, "budget": spec.budget, "page": spec.page,
                               "num_blocks": spec.num_blocks, "max_batch_tokens": spec.max_batch_tokens,
+                              "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
+                              "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})
         app = build_app(server)
         import uvicorn
@@ -132,9 +153,13 @@ def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) 
                              timeout_graceful_shutdown=5, lifespan="off")
         userver = _QuietServer(cfg)
 
-        def on_signal(sig, frame):  # first signal: graceful stop; second: stop now
-            userver.force_exit = userver.should_exit
-            userver.should_exit = True
+        def on_signal(sig, frame):  # first signal: drain, then stop; second: stop now
+            if server.draining:
+                userver.force_exit = userver.should_exit = True
+                return
+            server.start_drain(args.drain_timeout)
+            threading.Thread(target=_drain, args=(server, userver, args.drain_timeout), name="epikv-serve-drain",
+                             daemon=True).start()
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
@@ -150,6 +175,23 @@ def _serve(args, lm, spec, sock, evicts, start_manager, serving_stats, eos_ids) 
         _stop_manager(manager)
     print("epikv serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _drain(server, userver, timeout: float) -> None:
+    """Stop admitting (the caller set server.draining), wait for the requests in flight up to `timeout` seconds,
+    end the rest with an error event (their handlers answer them), then let uvicorn stop."""
+    end = time.monotonic() + timeout
+    while server.in_flight() and time.monotonic() < end and not userver.should_exit:
+        time.sleep(0.05)
+    left = server.abort_all(f"the server is shutting down: the request did not finish within --drain-timeout "
+                            f"{timeout:g} s")
+    if left:
+        print(f"epikv serve: drain: {left} request(s) still running after {timeout:g} s ended with an error",
+              file=sys.stderr, flush=True)
+        end = time.monotonic() + 5
+        while server.in_flight() and time.monotonic() < end:  # their handlers send the error and close
+            time.sleep(0.05)
+    userver.should_exit = True
 
 
 def _server_class():

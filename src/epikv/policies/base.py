@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import EpiKVError
-from .pages import page_keep
+from .pages import page_keep, page_overflow
 
 
 @dataclass(frozen=True)
@@ -173,11 +173,15 @@ class Policy:
         """Why `budget` cannot hold the protected part of a prompt of `prompt_len` tokens plus the `recent` window
         (one line, the same wherever it is checked: the cache, the serving scheduler), or None when it can."""
         prot = self.protected(prompt_len)
-        if budget is None or prot + recent <= budget:
+        if budget is None:
             return None
-        what = "prompt" if self.protect_prompt else "sink tokens"
-        return (f"budget {budget} is smaller than what is protected: {prot} {what} + {recent} recent tokens; "
-                "raise the budget or shorten the prompt")
+        if prot + recent > budget:
+            what = "prompt" if self.protect_prompt else "sink tokens"
+            return (f"budget {budget} is smaller than what is protected: {prot} {what} + {recent} recent tokens; "
+                    "raise the budget or shorten the prompt")
+        if self.page:  # whole pages: the pages they overlap must fit too (page_keep's own refusal, up front)
+            return page_overflow(budget, self.page, prot, recent)
+        return None
 
     def describe(self, n_layers: int = 30) -> dict[str, Any]:
         """What `epikv policies` lists; `observes` for a model of n_layers blocks (30: the embedded SmolLM2), as

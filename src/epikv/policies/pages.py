@@ -60,9 +60,30 @@ def page_keep(priority: torch.Tensor, view: "CacheView", page: int) -> torch.Ten
     n_keep = min(n_pages, (view.budget - last) // page + 1)
     need = int(keep_whole.sum(-1).max())  # one host read per eviction: refusing beats silently evicting the prompt
     if need > n_keep:
-        raise EpiKVError(f"budget {view.budget} is too small for pages of {page}: the pages holding the protected "
-                         f"prompt and the recency window need {(need - 1) * page + last} slots; raise the budget or "
-                         "lower the page size")
+        raise EpiKVError(_too_small(view.budget, page, (need - 1) * page + last))
     pages = page_pr.topk(n_keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [batch, J], newest last
     keep = (pages[:, :, None] * page + torch.arange(page, device=dev)).flatten(1)  # [batch, J * page]
     return keep[:, : (n_keep - 1) * page + last]  # the newest page is last: drop its slots past the end
+
+
+def _too_small(budget: int, page: int, slots: int) -> str:
+    return (f"budget {budget} is too small for pages of {page}: the pages holding the protected prompt and the "
+            f"recency window need {slots} slots; raise the budget or lower the page size")
+
+
+def page_overflow(budget: int, page: int, protected: int, recent: int) -> str | None:
+    """Why `page_keep` would refuse, at some length, a sequence whose first `protected` slots and newest `recent`
+    ones are kept (the same line it raises), or None when it never does. Checked up front, before any token is
+    stored: the pages overlapping the protected prefix, the recency window and the newest page must fit the J pages
+    page_keep keeps, for every length the cache can be evicted at (over K; the pattern repeats with the length's
+    offset in its page once the two regions no longer share a page)."""
+    first_pages = -(-protected // page)  # pages 0 .. first_pages - 1 overlap the protected prefix
+    hi = max(budget + 1, first_pages * page + recent + page) + page
+    for n in range(budget + 1, hi + 1):
+        n_pages = -(-n // page)
+        last = n - (n_pages - 1) * page
+        lo_recent = max(0, n - recent) // page if recent else n_pages - 1  # first page the window (or newest) touches
+        need = first_pages + n_pages - max(lo_recent, first_pages)  # protected pages + window pages past them
+        if need > min(n_pages, (budget - last) // page + 1):
+            return _too_small(budget, page, (need - 1) * page + last)
+    return None

@@ -1,29 +1,39 @@
-"""A small OpenAI-compatible HTTP front end on a started continuous-batching manager (`epikv serve`).
+"""A small OpenAI-compatible HTTP front end on an engine (`epikv serve`).
 
-The manager (transformers' ContinuousBatchingManager, with epikv's eviction installed by `start_manager`) runs its
-own generation thread. One router thread here drains the manager's shared output queue and hands each output to the
-asyncio queue of the HTTP request that owns it, so no request polls the queue of another (the manager's
-`request_id_iter` re-queues foreign outputs, which is quadratic under load).
+The app talks to the engine only through `serving.backend.Backend` (submit token ids, read outputs, cancel,
+gauges), so transformers' continuous batching with eviction and a second engine are served by the same code. One
+router thread drains the engine's outputs and hands each to the asyncio queue of the HTTP request that owns it, so
+no request polls the queue of another; the router also times each request's tokens (time to first token,
+inter-token latency).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or not), GET /v1/models,
-GET /health, GET /stats. Decoding is greedy: the manager has one generation config for all requests, so a request
-that asks for sampling is refused with a 400 rather than silently decoded greedily.
+GET /health, GET /stats, GET /metrics (Prometheus). Sampling per request (temperature, top_p, top_k, min_p, seed;
+greedy when temperature is 0 or left out); a reasoning parser puts the thinking part of chat answers into
+`reasoning_content`; past --max-waiting requests without a token yet a request gets 429 with Retry-After; while
+draining (after SIGTERM) 503.
 """
 
 
 import asyncio
+import collections
 import itertools
 import json
+import math
+import secrets
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..engine import Sampling
+from ..errors import EpiKVError
 from ..stops import StopStream
+from .backend import Backend, Output
+from .reasoning import ReasoningSplit
 
 # Body fields read by each endpoint; any other field is refused by name (a silently ignored option is a wrong answer).
-_COMMON = {"model", "max_tokens", "stream", "temperature", "top_p", "n", "seed", "user", "ignore_eos",
-           "stream_options", "frequency_penalty", "presence_penalty"}
+_COMMON = {"model", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "n", "seed", "user",
+           "ignore_eos", "stream_options", "frequency_penalty", "presence_penalty"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "stop", "best_of", "suffix"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "stop", "logprobs", "top_logprobs"}
 
@@ -36,10 +46,29 @@ class BadRequest(Exception):
         self.param = param
 
 
+class Busy(Exception):
+    """A well-formed request the server cannot take now: answered `status` with Retry-After."""
+
+    def __init__(self, message: str, status: int, retry_after: int):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
+
+
+@dataclass
+class _Abort:
+    """Put in a request's queue to end it without an output: the drain ran out, or the request timed out."""
+
+    why: str
+
+
 @dataclass
 class _Pending:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    t0: float  # admission (time.perf_counter)
+    n_prompt: int
+    t_last: float | None = None  # arrival of its latest token
+    n_tokens: int = 0
 
 
 @dataclass
@@ -48,6 +77,9 @@ class Counters:
     completed: int = 0
     failed: int = 0
     cancelled: int = 0
+    timeout: int = 0
+    aborted: int = 0
+    rejected: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
     completion_tokens: int = 0
@@ -55,18 +87,22 @@ class Counters:
 
 
 class Server:
-    """What the HTTP handlers share: the manager, the tokenizer, the routing of outputs, and counters.
+    """What the HTTP handlers share: the engine (a Backend), the tokenizer, the routing of outputs, counters and
+    metrics, the waiting-queue bound and the drain state.
 
-    manager: a started ContinuousBatchingManager. stats: a callable manager -> dict (epikv.serving.serving_stats).
-    capacity_tokens: the most tokens one request may hold in the cache (prompt + output, or the prompt alone under
-    eviction), used to refuse a request that could never be admitted; None: no check.
+    capacity limits: max_positions (the model's), prompt_limit / total_limit (tokens one request may hold in the
+    cache: its prompt under eviction, prompt + answer without), None: no check. max_waiting: admitted requests
+    without a token yet beyond which a request gets 429 (None: no bound). request_timeout: seconds a request may
+    run before it is cancelled (None: no limit). reasoning_parser: a name of reasoning.PARSERS or None.
     """
 
-    def __init__(self, manager, tokenizer, *, model_name: str, eos: list[int], default_max_tokens: int = 256,
+    def __init__(self, backend: Backend, tokenizer, *, model_name: str, eos: list[int], default_max_tokens: int = 256,
                  max_positions: int | None = None, prompt_limit: int | None = None, total_limit: int | None = None,
-                 stats=None, info: dict | None = None, prompt_check=None):
-        self.manager = manager
-        self.prompt_check = prompt_check  # n_prompt -> why it can never be served (a 400), or None
+                 info: dict | None = None, max_waiting: int | None = None, request_timeout: float | None = None,
+                 reasoning_parser: str | None = None):
+        from .metrics import Metrics
+
+        self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos = set(int(e) for e in eos)
@@ -74,17 +110,20 @@ class Server:
         self.max_positions = max_positions
         self.prompt_limit = prompt_limit
         self.total_limit = total_limit
-        self.stats_fn = stats
+        self.max_waiting = max_waiting
+        self.request_timeout = request_timeout
+        self.reasoning_parser = reasoning_parser
         self.info = dict(info or {})
         self.counters = Counters()
-        # per-request EOS (what ignore_eos needs) is an add_request argument only in some transformers versions
-        import inspect
-
-        self.per_request_eos = "eos_token_id" in inspect.signature(manager.add_request).parameters
+        self.per_request_eos = backend.per_request_eos
+        self.draining = False
+        self.drain_deadline: float | None = None  # time.monotonic() at which the drain ends open requests
         self._pending: dict[str, _Pending] = {}
+        self._done_times: collections.deque = collections.deque(maxlen=256)  # recent completions, for Retry-After
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self.metrics = Metrics(self)
         self._router = threading.Thread(target=self._route, name="epikv-serve-router", daemon=True)
         self._router.start()
 
@@ -92,16 +131,27 @@ class Server:
     def _route(self) -> None:
         while not self._stop.is_set():
             try:
-                out = self.manager.get_result(timeout=0.05)
-            except Exception:  # the manager is gone (stopped or crashed): the handlers notice through health()
+                out = self.backend.next_output(0.05)
+            except Exception:  # the engine is gone (stopped or crashed): the handlers notice through healthy()
                 time.sleep(0.05)
                 continue
             if out is None:
-                if not self.healthy():  # get_result returns at once when the loop is gone: do not spin
+                if not self.healthy():  # an engine that is gone returns at once: do not spin
                     time.sleep(0.05)
                 continue
+            now = time.perf_counter()
             with self._lock:
                 p = self._pending.get(out.request_id)
+                if p is not None and len(out.tokens) > p.n_tokens:
+                    new = len(out.tokens) - p.n_tokens
+                    if p.t_last is None:
+                        self.metrics.ttft.observe(now - p.t0)
+                    else:
+                        gap = (now - p.t_last) / new  # tokens that arrived together share the gap
+                        for _ in range(new):
+                            self.metrics.itl.observe(gap)
+                    p.t_last, p.n_tokens = now, len(out.tokens)
+                    self.metrics.generation_tokens.inc(new)
             if p is not None:  # an output of a request the client already left is dropped
                 p.loop.call_soon_threadsafe(p.queue.put_nowait, out)
 
@@ -110,45 +160,111 @@ class Server:
         self._router.join(timeout=2)
 
     def healthy(self) -> bool:
-        is_running = getattr(self.manager, "is_running", None)
-        return bool(is_running()) if callable(is_running) else True
+        try:
+            return self.backend.healthy()
+        except Exception:
+            return False
+
+    # ------------------------------------------------------------------ load
+    def waiting(self) -> int:
+        """Admitted requests without a token yet: the queue in front of the engine."""
+        with self._lock:
+            return sum(1 for p in self._pending.values() if p.t_last is None)
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._pending.values() if p.t_last is not None)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely moved by its length: waiting / recent completion rate, 1..60."""
+        now = time.monotonic()
+        with self._lock:
+            recent = [t for t in self._done_times if now - t < 60]
+            waiting = sum(1 for p in self._pending.values() if p.t_last is None)
+        if len(recent) < 2:
+            return 1
+        rate = (len(recent) - 1) / max(recent[-1] - recent[0], 1e-3)
+        return max(1, min(60, math.ceil((waiting + 1) / rate)))
+
+    def admit(self) -> None:
+        """Raise Busy when the server cannot take a request now (draining, or the waiting queue is full)."""
+        busy = None
+        if self.draining:
+            busy = Busy("the server is shutting down", 503, self.drain_left())
+        elif self.max_waiting is not None and self.waiting() >= self.max_waiting:
+            busy = Busy(f"the server has {self.max_waiting} requests waiting for their first token (--max-waiting): "
+                        "retry later", 429, self.retry_after())
+        if busy is not None:
+            with self._lock:
+                self.counters.rejected += 1
+            self.metrics.requests.labels("rejected").inc()
+            raise busy
+
+    def start_drain(self, timeout: float) -> None:
+        """Stop admitting (503 with Retry-After); the caller ends what is still open after `timeout` seconds."""
+        self.drain_deadline = time.monotonic() + timeout
+        self.draining = True
+
+    def drain_left(self) -> int:
+        left = (self.drain_deadline or time.monotonic()) - time.monotonic()
+        return max(1, math.ceil(min(left, 3600)))
 
     # ------------------------------------------------------------------ one request
-    def submit(self, input_ids: list[int], max_tokens: int, *, streaming: bool, ignore_eos: bool) -> tuple[str, asyncio.Queue]:
+    def submit(self, input_ids: list[int], max_tokens: int, *, sampling: Sampling | None, seed: int,
+               ignore_eos: bool) -> tuple[str, asyncio.Queue]:
+        self.admit()
         rid = f"http-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:  # registered before the manager can answer
-            self._pending[rid] = _Pending(asyncio.get_running_loop(), q)
+        with self._lock:  # registered before the engine can answer
+            self._pending[rid] = _Pending(asyncio.get_running_loop(), q, time.perf_counter(), len(input_ids))
             c = self.counters
             c.received += 1
             c.in_flight += 1
             c.max_in_flight = max(c.max_in_flight, c.in_flight)
-        kw = {"eos_token_id": -1} if ignore_eos else {}
         try:
-            got = self.manager.add_request(list(input_ids), request_id=rid, max_new_tokens=max_tokens,
-                                           streaming=streaming, **kw)
-        except Exception as e:  # e.g. the input queue stayed full
+            self.backend.submit(rid, list(input_ids), max_tokens, sampling=sampling, seed=seed,
+                                ignore_eos=ignore_eos)
+        except RuntimeError:
             self.finish(rid, "failed")
-            raise RuntimeError(f"the engine did not take the request: {type(e).__name__}: {e}") from None
-        if got is None:  # the manager is stopping and dropped it
-            self.finish(rid, "failed")
-            raise RuntimeError("the server is shutting down")
+            raise
+        self.metrics.prompt_tokens.inc(len(input_ids))
         return rid, q
 
     def finish(self, rid: str, how: str, tokens: int = 0) -> None:
         with self._lock:
-            if self._pending.pop(rid, None) is None:
+            p = self._pending.pop(rid, None)
+            if p is None:
                 return
             c = self.counters
             c.in_flight -= 1
             c.completion_tokens += tokens
             setattr(c, how, getattr(c, how) + 1)
+            if how == "completed":
+                self._done_times.append(time.monotonic())
+        self.backend.release(rid)
+        self.metrics.requests.labels(how).inc()
+        if how == "completed":
+            self.metrics.latency.observe(time.perf_counter() - p.t0)
 
     def cancel(self, rid: str, how: str = "cancelled", tokens: int = 0) -> None:
         try:
-            self.manager.cancel_request(rid)
+            self.backend.cancel(rid)
+        except Exception:  # the engine is gone: nothing left to stop
+            pass
         finally:
             self.finish(rid, how, tokens)
+
+    def abort_all(self, why: str) -> int:
+        """End every open request with an error (the drain ran out); returns how many."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for p in pending:
+            p.loop.call_soon_threadsafe(p.queue.put_nowait, _Abort(why))
+        return len(pending)
 
     def finish_reason(self, tokens: list[int], max_tokens: int) -> str:
         return "stop" if tokens and tokens[-1] in self.eos and len(tokens) <= max_tokens else "length"
@@ -163,12 +279,12 @@ class Server:
     def stats(self) -> dict:
         with self._lock:
             c = vars(self.counters).copy()
+        c["waiting"], c["running"], c["draining"] = self.waiting(), self.running(), self.draining
         out = {"http": c, "server": self.info}
-        if self.stats_fn is not None:
-            try:
-                out["engine"] = self.stats_fn(self.manager)
-            except Exception as e:  # stats must never take the server down
-                out["engine"] = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            out["engine"] = self.backend.stats()
+        except Exception as e:  # stats must never take the server down
+            out["engine"] = {"error": f"{type(e).__name__}: {e}"}
         return out
 
 
@@ -182,20 +298,24 @@ def _int_field(body: dict, name: str, lo: int, default):
     return v
 
 
-def _sampling(body: dict) -> None:
-    """Greedy only: sampling fields are accepted when they select greedy decoding, refused otherwise."""
-    t = body.get("temperature", None)
-    if t is not None:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-            raise BadRequest(f"temperature must be a number >= 0, got {t!r}", "temperature")
-        if t > 0:
-            raise BadRequest("this server decodes greedily (one generation config for all requests): temperature "
-                             f"must be 0 or left out, got {t}", "temperature")
-    p = body.get("top_p", None)
-    if p is not None:
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise BadRequest(f"top_p must be a number in (0, 1], got {p!r}", "top_p")
-        # under greedy decoding top_p changes nothing: accepted
+def _number(body: dict, name: str, ok, want: str):
+    v = body.get(name, None)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+        raise BadRequest(f"{name} must be {want}, got {v!r}", name)
+    return v
+
+
+def _sampling(body: dict, supported: frozenset) -> tuple[Sampling | None, int]:
+    """The request's sampling (None: greedy, the default) and its seed (a random one when none is given).
+    temperature 0 or left out is greedy, whatever top_p / top_k / min_p say (as model.generate without sampling)."""
+    t = _number(body, "temperature", lambda v: v >= 0, "a number >= 0")
+    p = _number(body, "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
+    k = body.get("top_k", None)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1):
+        raise BadRequest(f"top_k must be an integer >= -1 (-1 or 0: off), got {k!r}", "top_k")
+    mp = _number(body, "min_p", lambda v: 0 <= v <= 1, "a number in [0, 1]")
     for name in ("frequency_penalty", "presence_penalty"):
         v = body.get(name, None)
         if v not in (None, 0, 0.0):
@@ -204,9 +324,21 @@ def _sampling(body: dict) -> None:
     if n not in (None, 1):
         raise BadRequest(f"n must be 1 (one answer per request), got {n!r}", "n")
     seed = body.get("seed", None)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
-    # a seed is accepted: greedy decoding gives the same answer under every seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise BadRequest(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
+    if not t:  # greedy: every sampling setting and the seed change nothing
+        return None, 0
+    for name, v, off in (("temperature", t, None), ("top_p", p, 1), ("top_k", k, 0), ("min_p", mp, 0),
+                         ("seed", seed, None)):
+        if v is not None and v != off and name not in supported and not (name == "top_k" and v == -1):
+            raise BadRequest(f"{name} is not supported by this server's engine", name)
+    try:
+        # Gumbel-max: a token changes only if rounding in the logits (another batch) reorders its two best scores
+        sampling = Sampling(temperature=float(t), top_p=1.0 if p is None else float(p),
+                            top_k=0 if k in (None, -1) else k, min_p=0.0 if mp is None else float(mp), draw="gumbel")
+    except EpiKVError as e:
+        raise BadRequest(str(e)) from None
+    return sampling, secrets.randbits(63) if seed is None else seed
 
 
 def _stop(body: dict) -> list[str]:
@@ -221,7 +353,8 @@ def _stop(body: dict) -> list[str]:
 
 
 def parse_request(server: Server, body, chat: bool) -> dict:
-    """The request as {input_ids, max_tokens, stream, stop, ignore_eos}, or BadRequest."""
+    """The request as {input_ids, max_tokens, stream, stop, ignore_eos, sampling, seed, reasoning,
+    usage_in_stream}, or BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
@@ -231,7 +364,7 @@ def parse_request(server: Server, body, chat: bool) -> dict:
     model = body.get("model", None)
     if model is not None and model != server.model_name:
         raise BadRequest(f"this server serves model {server.model_name!r}, not {model!r}", "model")
-    _sampling(body)
+    sampling, seed = _sampling(body, server.backend.sampling_fields)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
@@ -287,7 +420,7 @@ def parse_request(server: Server, body, chat: bool) -> dict:
     if server.max_positions and len(ids) + max_tokens > server.max_positions:
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                          f"{server.max_positions} positions", "max_tokens")
-    why = server.prompt_check(len(ids)) if server.prompt_check else None
+    why = server.backend.prompt_refusal(len(ids))
     if why:
         raise BadRequest(why, "prompt")
     if server.prompt_limit and len(ids) > server.prompt_limit:
@@ -297,7 +430,9 @@ def parse_request(server: Server, body, chat: bool) -> dict:
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the {server.total_limit} "
                          f"tokens one request may hold in this server's cache (--num-blocks x --page)", "max_tokens")
     return {"input_ids": ids, "max_tokens": max_tokens, "stream": stream, "stop": _stop(body),
-            "ignore_eos": ignore_eos, "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage"))}
+            "ignore_eos": ignore_eos, "sampling": sampling, "seed": seed,
+            "reasoning": chat and server.reasoning_parser is not None,
+            "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage"))}
 
 
 # ---------------------------------------------------------------------- text bookkeeping
@@ -320,18 +455,22 @@ def _usage(prompt: int, completion: int) -> dict:
 def build_app(server: Server):
     """The FastAPI application over `server`."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="epikv serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+              headers: dict | None = None):
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                            status_code=status)
+                            status_code=status, headers=headers)
 
     @app.get("/health")
     async def health():
         if not server.healthy():
             return error(503, "the generation loop is not running", kind="server_error")
+        if server.draining:
+            return error(503, "the server is shutting down", kind="server_error",
+                         headers={"Retry-After": str(server.drain_left())})
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -343,20 +482,31 @@ def build_app(server: Server):
     async def stats():
         return server.stats()
 
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
     async def handle(request: Request, chat: bool):
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            server.metrics.requests.labels("invalid").inc()
             return error(400, "the request body is not valid JSON")
         try:
             req = parse_request(server, body, chat)
         except BadRequest as e:
+            server.metrics.requests.labels("invalid").inc()
             return error(400, str(e), e.param)
         if not server.healthy():
             return error(503, "the generation loop is not running", kind="server_error")
         try:
-            rid, q = server.submit(req["input_ids"], req["max_tokens"], streaming=req["stream"],
+            rid, q = server.submit(req["input_ids"], req["max_tokens"], sampling=req["sampling"], seed=req["seed"],
                                    ignore_eos=req["ignore_eos"])
+        except Busy as e:
+            return error(e.status, str(e), kind="rate_limit_error" if e.status == 429 else "server_error",
+                         headers={"Retry-After": str(e.retry_after)})
         except RuntimeError as e:
             return error(503, str(e), kind="server_error")
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()),
@@ -365,7 +515,7 @@ def build_app(server: Server):
         if req["stream"]:
             return StreamingResponse(_stream(server, rid, q, req, meta, chat, n_prompt),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(server, rid, q, req, meta, chat, n_prompt, request, error)
+        return await _whole(server, rid, q, req, meta, chat, n_prompt, error)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -379,32 +529,58 @@ def build_app(server: Server):
 
 
 def _failed(out) -> bool:
-    return getattr(out, "error", None) is not None
+    return isinstance(out, _Abort) or out is None or out.error is not None
 
 
-async def _next(server: Server, q: asyncio.Queue, rid: str):
-    """The next output of request `rid`; None when the generation loop died meanwhile."""
+async def _next(server: Server, q: asyncio.Queue, deadline: float | None):
+    """The request's next output; None when the engine died meanwhile; _Abort when it timed out (or the drain
+    ended it)."""
     while True:
+        wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+        if wait <= 0:
+            return _Abort(f"the request timed out after {server.request_timeout:g} s (--request-timeout)")
         try:
-            return await asyncio.wait_for(q.get(), timeout=1.0)
+            return await asyncio.wait_for(q.get(), timeout=wait)
         except asyncio.TimeoutError:
             if not server.healthy():
                 return None
 
 
-async def _whole(server, rid, q, req, meta, chat, n_prompt, request, error):
+def _why(server: Server, rid: str, out) -> tuple[str, str, int]:
+    """A failed output: end the request (cancelled in the engine where it still runs); (message, kind, status)."""
+    if isinstance(out, _Abort):
+        timed_out = "timed out" in out.why
+        server.cancel(rid, "timeout" if timed_out else "aborted")
+        return out.why, "timeout" if timed_out else "server_error", 504 if timed_out else 503
+    server.finish(rid, "failed")
+    return f"generation failed: {'the generation loop stopped' if out is None else out.error}", "server_error", 500
+
+
+def _deadline(server: Server) -> float | None:
+    return None if server.request_timeout is None else time.monotonic() + server.request_timeout
+
+
+def _message(req, text: str) -> dict:
+    if not req["reasoning"]:
+        return {"role": "assistant", "content": text}
+    reasoning, content = ReasoningSplit().split(text, final=True)
+    return {"role": "assistant", "content": content or None, "reasoning_content": reasoning}
+
+
+async def _whole(server, rid, q, req, meta, chat, n_prompt, error):
     from fastapi.responses import JSONResponse
 
     det = _Detok(server, req["stop"], req["ignore_eos"])
+    deadline = _deadline(server)
+    tokens: list[int] = []
     try:
         while True:
-            out = await _next(server, q, rid)
-            if out is None or _failed(out):
-                server.finish(rid, "failed")
-                why = "the generation loop stopped" if out is None else out.error
-                return error(500, f"generation failed: {why}", kind="server_error")
-            tokens = list(out.generated_tokens)
-            if out.is_finished():  # a non-streaming request gets one output, at its end
+            out = await _next(server, q, deadline)
+            if _failed(out):
+                why, kind, status = _why(server, rid, out)
+                return error(status, why, kind=kind)
+            tokens = out.tokens
+            if out.finished:
                 break
     except asyncio.CancelledError:  # the client left
         server.cancel(rid)
@@ -417,7 +593,7 @@ async def _whole(server, rid, q, req, meta, chat, n_prompt, request, error):
     server.finish(rid, "completed", len(tokens))
     choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": text_tokens}
     if chat:
-        choice["message"] = {"role": "assistant", "content": det.sent}
+        choice["message"] = _message(req, det.sent)
         obj = "chat.completion"
     else:
         choice["text"] = det.sent
@@ -431,12 +607,20 @@ def _sse(obj) -> str:
 
 async def _stream(server, rid, q, req, meta, chat, n_prompt):
     det = _Detok(server, req["stop"], req["ignore_eos"])
+    split = ReasoningSplit() if req["reasoning"] else None
     obj = "chat.completion.chunk" if chat else "text_completion"
     sent_ids = 0  # visible token ids sent so far
+    deadline = _deadline(server)
 
     def chunk(delta: str, ids: list[int], finish: str | None, first: bool = False):
         if chat:
-            d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta or not finish else {})
+            if first:
+                d = {"role": "assistant", "content": delta}
+            elif split is not None:
+                dr, dc = split.step(det.sent, final=finish is not None)
+                d = {k: v for k, v in (("reasoning_content", dr), ("content", dc)) if v}
+            else:
+                d = {"content": delta} if delta or not finish else {}
             choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
@@ -444,25 +628,21 @@ async def _stream(server, rid, q, req, meta, chat, n_prompt):
         return _sse({**meta, "object": obj, "choices": [choice]})
 
     finished = False
-    first = True
     try:
         if chat:
             yield chunk("", [], None, first=True)
-            first = False
         while True:
-            out = await _next(server, q, rid)
-            if out is None or _failed(out):
-                why = "the generation loop stopped" if out is None else out.error
-                server.finish(rid, "failed")
+            out = await _next(server, q, deadline)
+            if _failed(out):
+                why, kind, _ = _why(server, rid, out)
                 finished = True
-                yield _sse({"error": {"message": f"generation failed: {why}", "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse({"error": {"message": why, "type": kind, "param": None, "code": None}})
                 yield "data: [DONE]\n\n"
                 return
-            tokens = list(out.generated_tokens)
-            done = out.is_finished()
+            tokens = out.tokens
+            done = out.finished
             delta = det.step(tokens, final=done)
-            vis = server.visible(tokens, req["ignore_eos"]) if done else [t for t in tokens]
+            vis = server.visible(tokens, req["ignore_eos"]) if done else list(tokens)
             # the ids of the text sent, cut with it at a stop string (a trailing EOS decodes to no text)
             new_ids = det.ids(vis)[sent_ids:] if det.stopped or not done else vis[sent_ids:]
             if det.stopped or done:

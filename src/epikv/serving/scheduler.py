@@ -10,6 +10,7 @@ its rows of position_ids). See docs/SERVING.md.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from .checks import ServeSpec, ServingUnsupported, check_internals, check_servin
 from .evictor import KVReader, Track
 
 SCHEDULER_KEY = "epikv"
+RECENT_FINISHED = 256  # finished requests whose evicted-token count /stats lists (a ring: bounded on a long run)
 _RUNTIMES: dict[int, "Runtime"] = {}  # id(text config the cache is built from) -> runtime waiting for its scheduler
 _CLASS = None
 
@@ -40,7 +42,11 @@ class Runtime:
         self.recent = policy.recent_window(spec.budget) if policy.evicts else 0
         self.device = model.get_input_embeddings().weight.device
         self.tracks: dict[str, Track] = {}
-        self.batch: list[tuple[str, Any, int, int]] | None = None  # (request id, state, stored before, new tokens)
+        # (request id, state, stored before, new tokens, whether the forward predicts its next token, tokens it
+        # has generated so far)
+        self.batch: list[tuple[str, Any, int, int, bool, int]] | None = None
+        self.samplers: dict = {}  # request id -> RequestSampler (serving/sampling.py); absent: greedy
+        self.logit_rows: list[int] | None = None  # per request of the batch, its row of the model's logits (or -1)
         self.open = False
         self.hidden: dict[int, torch.Tensor] = {}
         self.scheduler = self.cache = self.lay = self.manager = None
@@ -51,7 +57,10 @@ class Runtime:
         self.loop_thread: int | None = None  # the thread that schedules (and so runs) the batches
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
-                          soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, evicted={})
+                          soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, finished=0,
+                          evicted_tokens=0)
+        # tokens evicted per finished request, the newest RECENT_FINISHED only; the totals above count them all
+        self.finished_evicted: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -83,7 +92,7 @@ class Runtime:
         # only the generation loop's own forward, planned by the scheduler (not a forward of another thread)
         if self.batch is None or threading.get_ident() != self.loop_thread:
             return None
-        lens = [t for _, _, _, t in self.batch]
+        lens = [b[3] for b in self.batch]
         cu = kwargs.get("cu_seq_lens_q")
         pos = kwargs.get("position_ids")
         if pos is None or cu is None:
@@ -95,7 +104,16 @@ class Runtime:
             if cu.tolist()[: len(want)] != want:
                 raise ServingUnsupported("cu_seq_lens_q in schedule order", f"got {cu.tolist()}, expected {want}")
             self.checked_cu = True
-        offs = [self.tracks[rid].evicted for rid, _, _, _ in self.batch]
+        offs = [self.tracks[b[0]].evicted for b in self.batch]
+        # the logits the model returns: one row per position, or (logits_to_keep) one per request that predicts a
+        # token, in batch order
+        kept = "logits_to_keep" in kwargs
+        rows, j, end = [], 0, 0
+        for _, _, _, t, new, _ in self.batch:
+            end += t
+            rows.append((j if kept else end - 1) if new else -1)
+            j += bool(new)
+        self.logit_rows = rows
         if any(offs):  # true RoPE position = stored slot + tokens evicted before it
             add = torch.repeat_interleave(torch.tensor(offs), torch.tensor(lens))
             add = torch.nn.functional.pad(add, (0, pos.shape[-1] - add.shape[0]))  # padded rows (none here)
@@ -109,10 +127,12 @@ class Runtime:
             return None
         self.open = False
         batch, self.batch = self.batch, None
+        if self.samplers:
+            self._sample(batch, output)
         if not self.policy.evicts:
             return None
         a = 0
-        for rid, state, n_old, t in batch:
+        for rid, state, n_old, t, _, _ in batch:
             tr = self.tracks.get(rid)
             if tr is not None:
                 hidden = {l: h[:, a:a + t] for l, h in self.hidden.items()}
@@ -120,6 +140,17 @@ class Runtime:
             a += t
         self.hidden = {}
         return None
+
+    def _sample(self, batch, output) -> None:
+        """Replace each sampled request's logits row by its own sampler's choice (serving/sampling.py)."""
+        from .sampling import force
+
+        logits = output.logits if hasattr(output, "logits") else output[0]  # [1, rows, vocab]
+        for (rid, _, _, _, new, step), row in zip(batch, self.logit_rows):
+            smp = self.samplers.get(rid)
+            if smp is None or not new or row < 0:
+                continue
+            force(logits[0, row], smp.choose(logits[0, row], step))
 
     def kv(self, rid: str) -> KVReader:
         return KVReader(self.lay, rid, self.obs, self.policy)
@@ -159,10 +190,23 @@ class Runtime:
         tr = self.tracks.pop(rid, None)
         if tr is not None:
             with self.lock:
-                self.stats["evicted"][rid] = tr.evicted
+                self.stats["finished"] += 1
+                self.stats["evicted_tokens"] += tr.evicted
+                ring = self.finished_evicted
+                ring[rid] = tr.evicted
+                while len(ring) > RECENT_FINISHED:
+                    ring.popitem(last=False)
 
     def pages_in_use(self) -> int:
-        return sum(len(t) for t in self.lay.block_table.values()) if self.lay is not None else 0
+        """Pages held by requests now (read live: any thread may ask while the loop allocates and frees)."""
+        if self.lay is None:
+            return 0
+        for _ in range(10):
+            try:
+                return sum(len(t) for t in list(self.lay.block_table.values()))
+            except RuntimeError:  # the table changed size while it was copied: read again
+                continue
+        return self.stats["pages_in_use"]
 
 
 def scheduler_class():
@@ -259,7 +303,8 @@ def scheduler_class():
                     rid = state.request_id
                     if rid not in rt.tracks:
                         rt.tracks[rid] = rt.new_track(state)
-                    batch.append((rid, state, state.position_offset, fs.query_length))
+                    batch.append((rid, state, state.position_offset, fs.query_length, bool(fs.has_new_token),
+                                  len(state.generated_tokens)))
                     if not fs.has_new_token and not getattr(state, "_epikv_chunked", False):
                         state._epikv_chunked = True  # its prefill continues in a later forward: chunked
                         rt.stats["chunked_prefills"] += 1
@@ -381,17 +426,21 @@ def prompt_refusal(manager, prompt_tokens: int) -> str | None:
 
 
 def serving_stats(manager) -> dict:
-    """Counters of a served manager: peak_pages, pages_in_use, pages_freed, evictions, max_in_flight,
-    preemptions (offloads + soft resets), and the tokens evicted per request (finished ones and live ones)."""
+    """Counters of a served manager: peak_pages, pages_in_use and pages_free (read now), pages_freed, evictions,
+    max_in_flight, preemptions (offloads + soft resets), finished requests and the tokens evicted from them, and the
+    tokens evicted per request for the live ones and the newest RECENT_FINISHED finished ones."""
     rt = getattr(manager, "_epikv_runtime", None)
     if rt is None:
         raise EpiKVError("this manager was not started by epikv.serving.start_manager")
     with rt.lock:
         st = dict(rt.stats)
-        evicted = dict(st["evicted"])
+        evicted = dict(rt.finished_evicted)
     for rid, tr in list(rt.tracks.items()):
         evicted[rid] = tr.evicted
-    st["evicted"] = evicted
+    st["evicted"] = evicted  # the live requests and the newest finished ones (counters: finished, evicted_tokens)
+    # live, not as of the last scheduled step: pages return when a request ends, after that step
+    st["pages_in_use"] = rt.pages_in_use()
+    st["pages_free"] = rt.lay.free_count() if rt.lay is not None else None
     st["preemptions"] = st["offloads"] + st["soft_resets"]
     # requests holding pages, over the forwards: the mean and median say what the cache sustains; the max is
     # often the first burst of prompts, admitted before any of them has grown

@@ -1,0 +1,71 @@
+"""`/metrics` of `epikv serve`, in Prometheus' text format through prometheus-client (one registry per server).
+
+Names follow the usual serving ones (vLLM / TGI style, prefixed `epikv_`):
+- epikv_requests_total{outcome}: completed, failed, cancelled (the client left), timeout, aborted (still open at
+  the end of a drain), rejected (429 past --max-waiting, 503 while draining), invalid (400)
+- epikv_prompt_tokens_total, epikv_generation_tokens_total
+- epikv_time_to_first_token_seconds, epikv_inter_token_latency_seconds, epikv_request_latency_seconds (histograms)
+- epikv_requests_waiting (admitted, no token yet), epikv_requests_running (generating)
+- epikv_cache_pages_in_use, epikv_cache_pages_free, epikv_evictions_total, epikv_evicted_tokens_total,
+  epikv_preemptions_total: read from the engine (`Backend.gauges`) when scraped
+"""
+
+from __future__ import annotations
+
+OUTCOMES = ("completed", "failed", "cancelled", "timeout", "aborted", "rejected", "invalid")
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self, server) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("epikv_requests", "Requests by outcome", ["outcome"], registry=reg)
+        for o in OUTCOMES:
+            self.requests.labels(o)  # every outcome shown from the start, at 0
+        self.prompt_tokens = Counter("epikv_prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
+        self.generation_tokens = Counter("epikv_generation_tokens", "Tokens generated", registry=reg)
+        self.ttft = Histogram("epikv_time_to_first_token_seconds", "From admission to the first token",
+                              buckets=_LATENCY, registry=reg)
+        self.itl = Histogram("epikv_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=_ITL, registry=reg)
+        self.latency = Histogram("epikv_request_latency_seconds", "From admission to the last token",
+                                 buckets=_LATENCY, registry=reg)
+        Gauge("epikv_requests_waiting", "Admitted requests without a token yet (the queue)",
+              registry=reg).set_function(lambda: server.waiting())
+        Gauge("epikv_requests_running", "Requests generating", registry=reg).set_function(
+            lambda: server.running())
+        reg.register(_EngineCollector(server))
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The engine's own numbers, read at scrape time."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        try:
+            g = self.server.backend.gauges()
+        except Exception:  # a scrape must never take the server down; the series are then absent
+            return
+        yield GaugeMetricFamily("epikv_cache_pages_in_use", "KV cache pages (or cells) held by requests",
+                                value=g["pages_in_use"])
+        yield GaugeMetricFamily("epikv_cache_pages_free", "KV cache pages (or cells) free", value=g["pages_free"])
+        yield CounterMetricFamily("epikv_evictions", "Evictions (one per request and eviction step)",
+                                  value=g["evictions"])
+        yield CounterMetricFamily("epikv_evicted_tokens", "Tokens evicted", value=g["evicted_tokens"])
+        yield CounterMetricFamily("epikv_preemptions", "Requests preempted (offloaded or re-prefilled)",
+                                  value=g["preemptions"])
