@@ -60,10 +60,13 @@ def check_policy(policy: Policy, n_layers: int) -> None:
 
 
 def default_threads() -> int:
+    """Half the cores available (at least one), as llama-cpp-python's own default: ggml's threads spin while they
+    wait for each other, so more threads than free cores slows a step down many times over."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    return max(1, n // 2)
 
 
 class LlamaDecoder:
@@ -224,10 +227,10 @@ class LlamaDecoder:
             self.token_data[key] = x
         self.seen += t
         n = self.stored()
-        self.max_tokens = max(self.max_tokens, n)
         if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict,
                                                            n - self._prefix):
             self.evict()
+        self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
         return logits
 
     # -- eviction -----------------------------------------------------------------------------------------------------
