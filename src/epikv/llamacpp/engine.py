@@ -319,8 +319,10 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
     check_policy(pol, gm.depth)
     shim = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=gm.n_ctx_train or None))
     check_context(shim, pol, budget, len(ids), max_new_tokens, allow_beyond_context)
+    # prompt chunks of at most 512 tokens, so an evicting context is about budget + prompt cells: freed cells are
+    # then reused and attention spans about K cells (a larger context would spread the sequence over all of it)
     dec = LlamaDecoder(gm, pol, budget, max_tokens=len(ids) + max_new_tokens, threads=threads, capture=capture,
-                       type_kv=type_kv, flash_attn=flash_attn)
+                       type_kv=type_kv, flash_attn=flash_attn, n_batch=min(512, len(ids)))
     try:
         eos = tok.eog_ids()
         prompt_ids = torch.tensor([ids])
