@@ -177,6 +177,10 @@ def test_newest_token_is_never_evicted(gm, prompt_ids):
     with pytest.raises(EpiKVError, match="newest token"):
         dec.remove(torch.arange(n - 1))  # every token but the newest
     assert dec.cache_bounds() == before and dec.stored() == n  # llama.cpp never saw it
+    assert dec._unscored >= 2  # scoring waits inside the recent window; its tokens cannot be evicted either
+    with pytest.raises(EpiKVError, match="not scored yet"):
+        dec.remove(torch.tensor([i for i in range(n) if i != n - 2]))
+    assert dec.cache_bounds() == before and dec.stored() == n
     with pytest.raises(EpiKVError, match="recent window"):
         LlamaDecoder(gm, "streaming", 64, max_tokens=80, recent=0)
 
@@ -214,13 +218,14 @@ def test_keep_sets_equal_the_policy_fed_the_captured_states(gm, prompt_ids):
     recent = min(128, K // 4)
     for hidden in feeds:
         t = next(iter(hidden.values())).shape[0]
-        ps = torch.arange(seen, seen + t)[None]
-        obs = StepObservation(hidden={b: torch.from_numpy(v)[None] for b, v in hidden.items()}, attentions={},
-                              valid=torch.ones(1, t, dtype=torch.bool), positions=ps, in_prompt=ps < p,
-                              n_protect=torch.tensor([p]))
-        score += pol.on_tokens(state, obs)["score"][0].tolist()
-        pos += ps[0].tolist()
-        seen += t
+        for j in range(t):  # token by token, whatever chunks the engine scored in
+            ps = torch.tensor([[seen]])
+            obs = StepObservation(hidden={b: torch.from_numpy(v[j : j + 1])[None] for b, v in hidden.items()},
+                                  attentions={}, valid=torch.ones(1, 1, dtype=torch.bool), positions=ps,
+                                  in_prompt=ps < p, n_protect=torch.tensor([p]))
+            score += pol.on_tokens(state, obs)["score"][0].tolist()
+            pos.append(seen)
+            seen += 1
         if len(pos) > K:
             middle = sorted(range(p, len(pos) - recent), key=lambda j: (score[j], j), reverse=True)
             kept = sorted(list(range(p)) + middle[: K - p - recent] + list(range(len(pos) - recent, len(pos))))
@@ -376,6 +381,7 @@ def test_python_callback_captures_the_same_rows(gm, prompt_ids):
         assert dec.capture.method == method
         dec.prefill(prompt_ids)
         dec.step(42)
+        dec.flush()
         out[method] = (dec.token_data["score"].clone(), dec.capture.asks)
         dec.close()
     assert torch.equal(out["c"][0], out["python"][0])

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import EpiKVError
 from ..policies import CacheView, Policy, StepObservation, get_policy
+from ..policies.hidden import HiddenStatePolicy
 from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
@@ -141,6 +142,12 @@ class LlamaDecoder:
         self.n_prompt = self.n_protect = 0
         self._len_after_evict = self._prefix = 0
         self.on_evict: Callable[["LlamaDecoder", torch.Tensor], None] | None = None  # test hook: before seq_rm
+        self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
+        self._unscored = 0
+        self._n_protect_t = torch.zeros(1, dtype=torch.long)
+        # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
+        # any other policy is fed every step, as the torch engine does
+        self._score_every = max(1, self.recent) if isinstance(self.policy, HiddenStatePolicy) else 1
 
     # -- the mirror ---------------------------------------------------------------------------------------------------
     @property
@@ -175,6 +182,7 @@ class LlamaDecoder:
         p = len(ids)
         self.n_prompt = p
         self.n_protect = self.policy.protected(p)
+        self._n_protect_t = torch.tensor([self.n_protect])
         why = self.policy.protected_overflow(self.budget, self.recent, p)
         if why:
             raise EpiKVError(why)
@@ -211,21 +219,13 @@ class LlamaDecoder:
         out = ll.llama_get_logits_ith(self.ctx, t - 1)
         logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
         pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
-        hidden = {}
+        self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
         if self.capture is not None:
-            hidden = {blk: torch.from_numpy(r.copy())[None] for blk, r in self.capture.rows(t).items()}  # [1, T, dim]
-        valid = torch.ones(1, t, dtype=torch.bool)
-        obs = StepObservation(hidden=hidden, attentions={}, valid=valid, positions=pos, stored=self.token_data,
-                              n_protect=torch.tensor([self.n_protect]), in_prompt=pos < self.n_prompt,
-                              kv_heads=self.gm.n_head_kv)
-        n_old = self.stored()
-        new = self.policy.on_tokens(self.state, obs)
-        new["pos"] = pos
-        for key, x in new.items():
-            if key in self.token_data and x.shape[-1] != n_old + t:  # new tokens only: append
-                x = torch.cat([self.token_data[key], x], dim=-1)
-            self.token_data[key] = x
+            self._rows.append({blk: r.copy() for blk, r in self.capture.rows(t).items()})  # [T, dim] each
+        self._unscored += t
         self.seen += t
+        if self._unscored >= self._score_every:
+            self.flush()
         n = self.stored()
         if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict,
                                                            n - self._prefix):
@@ -233,21 +233,58 @@ class LlamaDecoder:
         self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
         return logits
 
+    # -- scoring --------------------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Feed the policy every token not yet scored, in one on_tokens call (for the hidden-state policies a chunk
+        gives exactly what token-by-token calls give: tests/test_signals.py). Deferred up to the recent window: a
+        token's score is first read when it leaves the window, so scoring the newest tokens in chunks changes no
+        keep set and takes the policy's per-call overhead off most decode steps."""
+        u = self._unscored
+        if not u:
+            return
+        n = self.stored()
+        pos = self.token_data["pos"][:, n - u:]  # [1, u]
+        hidden = {}
+        if self._rows:
+            hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
+                      for blk in self.blocks}  # [1, u, dim]
+        stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
+        obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
+                              stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
+                              kv_heads=self.gm.n_head_kv)
+        new = self.policy.on_tokens(self.state, obs)
+        for key, x in new.items():
+            if key == "pos":
+                continue
+            if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
+                x = torch.cat([self.token_data[key], x], dim=-1)
+            self.token_data[key] = x
+        self._rows, self._unscored = [], 0
+
     # -- eviction -----------------------------------------------------------------------------------------------------
     def view(self) -> CacheView:
-        return CacheView(length=self.stored(), budget=self.budget, token_data=self.token_data,
-                         n_pad=torch.zeros(1, dtype=torch.long), n_protect=torch.tensor([self.n_protect]),
+        """The cache as the policy sees it; tokens not yet scored (all inside the protected recent window) carry
+        zeros, which select_keep never reads."""
+        data, u = self.token_data, self._unscored
+        if u:
+            data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
+                    for k, v in data.items()}
+        return CacheView(length=self.stored(), budget=self.budget, token_data=data,
+                         n_pad=torch.zeros(1, dtype=torch.long), n_protect=self._n_protect_t,
                          recent=self.recent, keys=[], values=[], device=torch.device("cpu"))
 
     def evict(self) -> torch.Tensor:
         """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
+        if self._unscored and len(self.token_data) == 1:  # nothing scored yet: the policy's data keys are unknown
+            self.flush()
         keep = self.policy.keep(self.state, self.view())[0]  # [m] sorted indices into the mirror
         self.remove(keep)
         return keep
 
     def remove(self, keep: torch.Tensor) -> None:
         """Keep exactly the mirror entries `keep` (sorted indices), removing every other token from llama.cpp's
-        cache in runs. Refused, before llama.cpp is called, when the newest token would go."""
+        cache in runs. Refused, before llama.cpp is called, when the newest token would go (or one not yet
+        scored: the recent window must hold them)."""
         n = self.stored()
         keep = torch.as_tensor(keep, dtype=torch.long)
         gone = torch.ones(n, dtype=torch.bool)
@@ -255,6 +292,10 @@ class LlamaDecoder:
         if bool(gone[-1]):
             raise EpiKVError(f"refused: evicting the newest token (position {int(self.positions[-1])}) would break "
                              "llama.cpp's sequence (the next token must follow its highest position)")
+        u = self._unscored
+        if u and bool(gone[n - u:].any()):
+            raise EpiKVError("refused: the keep set evicts a token the policy has not scored yet (inside the recent "
+                             "window)")
         if self.on_evict is not None:
             self.on_evict(self, keep)
         pos = self.positions
@@ -270,8 +311,9 @@ class LlamaDecoder:
         for p0, p1 in runs:
             if not self._ll.llama_memory_seq_rm(self.mem, self.seq, p0, p1):
                 raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
+        scored = keep[: keep.numel() - u] if u else keep  # the unscored tail is all kept (checked above)
         for key, x in self.token_data.items():
-            self.token_data[key] = x.index_select(-1, keep)
+            self.token_data[key] = x.index_select(-1, keep if key == "pos" else scored)
         self.evictions += 1
         self._len_after_evict = self.stored()
         self._check_mirror()
