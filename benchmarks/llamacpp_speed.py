@@ -2,16 +2,18 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py step --out benchmarks/results/llamacpp/step.json
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py long --out benchmarks/results/llamacpp/long.json
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py interleaved --out benchmarks/results/llamacpp/interleaved.json
 
 step: decode tokens/s at batch 1, K = 512, --gen new tokens after the chat prompt, configurations taking turns in
-  rounds of --round tokens in one process (each has its own context): plain llama.cpp (`full`: no eval callback,
-  no eviction), epikv with the C capture, epikv with the Python capture, the C capture alone (epikv with a budget
-  that never fills: the capture's cost without eviction), and epikv in the torch engine (float32, SDPA). The
-  figure per configuration is its total decode time over its tokens; ratios are against plain llama.cpp.
+  rounds of --round tokens in one process (each has its own context): plain llama.cpp with the whole cache and
+  held at K by removing the oldest decode token (both a bare ctypes loop: no callback, no policy), epikv with the C
+  capture, epikv with the Python capture, and epikv in the torch engine (float32, SDPA). The figure per
+  configuration is its total decode time over its tokens; ratios are against the two plain runs.
 long: tokens/s over each 1,000 tokens of a --gen-token generation (EOS ignored), epikv K = 512 against plain
   llama.cpp with the whole cache, each in its own child process (peak RSS of that process; KV bytes of its
   context), the two alternating segment by segment is not possible across processes, so they run one after the
   other; the torch engine's epikv K = 512 is run the same way unless --no-torch.
+interleaved: the same two llama.cpp generations in one process, alternating segment by segment (speeds only).
 All llama.cpp runs use --threads threads (default 1) and llama.cpp's default F16 cache and flash-attention choice.
 """
 
@@ -50,6 +52,47 @@ class _Llama:
             self.logits = self.dec.step(int(np.argmax(self.logits)))
 
 
+class _Raw:
+    """Plain llama.cpp through the same low-level API with no epikv code: decode, copy the logits, argmax. hold=K:
+    after each token the oldest decode token is removed once the cache is over K (no eviction callback, no
+    policy), in a context sized as epikv's; else the whole cache in a context of prompt + new tokens."""
+
+    def __init__(self, gm, ids, total, hold=None):
+        from epikv.llamacpp import load
+
+        ll = self.ll = load().ll
+        cp = ll.llama_context_default_params()
+        nb = min(512, len(ids))
+        cp.n_ctx = len(ids) + total if hold is None else min(len(ids) + total, hold + nb)
+        cp.n_batch = cp.n_ubatch = nb
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = ARGS.threads
+        self.ctx = ll.llama_init_from_model(gm.ptr, cp)
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(nb, 0, 1)
+        self.n_vocab, self.hold, self.p = gm.tokenizer.n_vocab, hold, len(ids)
+        self.seen, self.oldest = 0, len(ids)
+        self.logits = self._decode(ids)
+
+    def _decode(self, toks):
+        b, ll = self.batch, self.ll
+        b.n_tokens = len(toks)
+        for j, t in enumerate(toks):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, self.seen + j, 1, int(j == len(toks) - 1)
+            b.seq_id[j][0] = 0
+        assert ll.llama_decode(self.ctx, b) == 0
+        self.seen += len(toks)
+        if self.hold is not None and self.seen - (self.oldest - self.p) > self.hold:
+            assert ll.llama_memory_seq_rm(self.mem, 0, self.oldest, self.oldest + 1)
+            self.oldest += 1
+        out = ll.llama_get_logits_ith(self.ctx, len(toks) - 1)
+        return np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
+
+    def run(self, n):
+        for _ in range(n):
+            self.logits = self._decode([int(np.argmax(self.logits))])
+
+
 class _Torch:
     def __init__(self, ids, budget, total):
         import torch
@@ -77,10 +120,10 @@ def step(args):
     ids = _prompt_ids(gm)
     total = args.gen
     configs = {
-        "llama.cpp plain (full, no callback)": lambda: _Llama(gm, ids, "full", None, "auto", total),
+        "plain llama.cpp, whole cache": lambda: _Raw(gm, ids, total),
+        f"plain llama.cpp, held at K={args.budget} (oldest removed)": lambda: _Raw(gm, ids, total, args.budget),
         "epikv llama.cpp (C capture)": lambda: _Llama(gm, ids, "epikv", args.budget, "c", total),
         "epikv llama.cpp (Python capture)": lambda: _Llama(gm, ids, "epikv", args.budget, "python", total),
-        "C capture only (no eviction)": lambda: _Llama(gm, ids, "epikv", 100_000, "c", total),
     }
     if not args.no_torch:
         configs["epikv torch engine (float32)"] = lambda: _Torch(ids, args.budget, total)
@@ -94,7 +137,8 @@ def step(args):
             r.run(n)
             spent[k] += time.perf_counter() - t0
         done += n
-    base = spent["llama.cpp plain (full, no callback)"]
+    base = spent["plain llama.cpp, whole cache"]
+    held = spent[f"plain llama.cpp, held at K={args.budget} (oldest removed)"]
     rows = []
     for k, s in spent.items():
         r = runs[k]
@@ -103,7 +147,7 @@ def step(args):
             extra = dict(evictions=r.dec.evictions, cache_tokens=r.dec.stored(), kv_cells=r.dec.n_ctx,
                          capture=r.dec.capture.method if r.dec.capture else None)
         rows.append(dict(config=k, tokens=total, seconds=round(s, 3), tokens_per_s=round(total / s, 2),
-                         time_vs_plain=round(s / base, 4), **extra))
+                         time_vs_plain_whole=round(s / base, 4), time_vs_plain_held=round(s / held, 4), **extra))
     return dict(rows=rows, prompt_tokens=len(ids), budget=args.budget, threads=args.threads, round=args.round)
 
 
@@ -164,10 +208,33 @@ def long(args):
                 gen=args.gen, segment=args.segment, threads=args.threads)
 
 
+def interleaved(args):
+    """epikv K and plain llama.cpp with the whole cache in one process, alternating segment by segment: the
+    tokens/s ratio per segment is measured under the same load."""
+    from epikv.llamacpp import load_gguf
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    runs = {"epikv llama.cpp": _Llama(gm, ids, "epikv", args.budget, "auto", args.gen),
+            "plain llama.cpp, whole cache": _Raw(gm, ids, args.gen)}
+    segs = {k: [] for k in runs}
+    for s in range(0, args.gen, args.segment):
+        n = min(args.segment, args.gen - s)
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            r.run(n)
+            segs[k].append(round(n / (time.perf_counter() - t0), 2))
+        print({k: v[-1] for k, v in segs.items()}, file=sys.stderr)
+    e, f = segs["epikv llama.cpp"], segs["plain llama.cpp, whole cache"]
+    return dict(segments_tok_s=segs, epikv_over_full_per_segment=[round(a / b, 2) for a, b in zip(e, f)],
+                gen=args.gen, segment=args.segment, budget=args.budget, threads=args.threads,
+                kv_cells={"epikv llama.cpp": runs["epikv llama.cpp"].dec.n_ctx})
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["step", "long", "_child"])
+    ap.add_argument("mode", choices=["step", "long", "interleaved", "_child"])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--gen", type=int, default=None)
     ap.add_argument("--round", type=int, default=64)
@@ -183,7 +250,7 @@ def main():
     if args.mode == "_child":
         return _child(args)
     t0 = time.time()
-    res = step(args) if args.mode == "step" else long(args)
+    res = {"step": step, "long": long, "interleaved": interleaved}[args.mode](args)
     import llama_cpp
 
     res.update(command="PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py " + " ".join(sys.argv[1:]),

@@ -430,5 +430,5 @@ def test_without_llama_cpp_the_engine_says_so_and_the_rest_works(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1
     assert "needs llama-cpp-python" in p.stderr and "install.sh --llamacpp" in p.stderr
     p = _cli("generate", "--model", "random:tiny", "--raw", "--prompt", "hi", "--max-new-tokens", "3", "--json",
-             env=env)
+             "--threads", "1", env=env)
     assert p.returncode == 0 and json.loads(p.stdout)["engine"] == "torch"

@@ -44,8 +44,13 @@ class LlamaCppEngine:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
             raise EpiKVError(f"{flags}: torch engine options; --engine llama.cpp runs on the CPU with the GGUF's own "
                              "weights (threads: --threads)")
+        import torch
+
         from ..llamacpp import load_gguf
 
+        # the policy's tensors here are a few rows per token: one torch thread (more only hand work between threads
+        # and take cores from llama.cpp's, which spin while they wait)
+        torch.set_num_threads(1)
         self.args = args
         self.gm = load_gguf(args.model)
         self.tokenizer = self.gm.tokenizer
