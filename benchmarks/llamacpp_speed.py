@@ -2,6 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py step --out benchmarks/results/llamacpp/step.json
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py long --out benchmarks/results/llamacpp/long.json
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py capture --out benchmarks/results/llamacpp/capture.json
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py interleaved --out benchmarks/results/llamacpp/interleaved.json
 
 step: decode tokens/s at batch 1, K = 512, --gen new tokens after the chat prompt, configurations taking turns in
@@ -13,6 +14,7 @@ long: tokens/s over each 1,000 tokens of a --gen-token generation (EOS ignored),
   llama.cpp with the whole cache, each in its own child process (peak RSS of that process; KV bytes of its
   context), the two alternating segment by segment is not possible across processes, so they run one after the
   other; the torch engine's epikv K = 512 is run the same way unless --no-torch.
+capture: the eval callback's cost alone (bare loop without / with the C / with the Python callback).
 interleaved: the same two llama.cpp generations in one process, alternating segment by segment (speeds only).
 All llama.cpp runs use --threads threads (default 1) and llama.cpp's default F16 cache and flash-attention choice.
 """
@@ -57,11 +59,16 @@ class _Raw:
     after each token the oldest decode token is removed once the cache is over K (no eviction callback, no
     policy), in a context sized as epikv's; else the whole cache in a context of prompt + new tokens."""
 
-    def __init__(self, gm, ids, total, hold=None):
+    def __init__(self, gm, ids, total, hold=None, capture=None):
         from epikv.llamacpp import load
+        from epikv.llamacpp.capture import BlockCapture
 
         ll = self.ll = load().ll
         cp = ll.llama_context_default_params()
+        self.cap = None
+        if capture:  # the eval callback alone (blocks 9 and 20), no policy
+            self.cap = BlockCapture([9, 20], gm.n_embd, min(512, len(ids)), capture)
+            cp.cb_eval, cp.cb_eval_user_data = self.cap.cb, self.cap.user_data
         nb = min(512, len(ids))
         cp.n_ctx = len(ids) + total if hold is None else min(len(ids) + total, hold + nb)
         cp.n_batch = cp.n_ubatch = nb
@@ -208,6 +215,27 @@ def long(args):
                 gen=args.gen, segment=args.segment, threads=args.threads)
 
 
+def capture(args):
+    """The eval callback's cost alone: the bare loop with no callback, with the C callback, with the Python
+    callback (blocks 9 and 20 copied every token, nothing else), whole cache, rounds interleaved."""
+    from epikv.llamacpp import load_gguf
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    runs = {"no callback": _Raw(gm, ids, args.gen), "C callback": _Raw(gm, ids, args.gen, capture="c"),
+            "Python callback": _Raw(gm, ids, args.gen, capture="python")}
+    spent = {k: 0.0 for k in runs}
+    for s in range(0, args.gen, args.round):
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            r.run(min(args.round, args.gen - s))
+            spent[k] += time.perf_counter() - t0
+    base = spent["no callback"]
+    asks = runs["C callback"].cap.asks / (args.gen + 1)
+    return dict(rows=[dict(config=k, tokens_per_s=round(args.gen / v, 2), time_vs_no_callback=round(v / base, 4))
+                      for k, v in spent.items()], asks_per_forward=round(asks, 1), gen=args.gen, threads=args.threads)
+
+
 def interleaved(args):
     """epikv K and plain llama.cpp with the whole cache in one process, alternating segment by segment: the
     tokens/s ratio per segment is measured under the same load."""
@@ -234,7 +262,7 @@ def interleaved(args):
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["step", "long", "interleaved", "_child"])
+    ap.add_argument("mode", choices=["step", "long", "interleaved", "capture", "_child"])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--gen", type=int, default=None)
     ap.add_argument("--round", type=int, default=64)
@@ -246,11 +274,11 @@ def main():
     ap.add_argument("--out", default=None)
     ARGS = args = ap.parse_args()
     if args.gen is None:
-        args.gen = 1024 if args.mode == "step" else 6000
+        args.gen = 1024 if args.mode in ("step", "capture") else 6000
     if args.mode == "_child":
         return _child(args)
     t0 = time.time()
-    res = {"step": step, "long": long, "interleaved": interleaved}[args.mode](args)
+    res = {"step": step, "long": long, "interleaved": interleaved, "capture": capture}[args.mode](args)
     import llama_cpp
 
     res.update(command="PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py " + " ".join(sys.argv[1:]),
