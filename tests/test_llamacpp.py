@@ -388,6 +388,89 @@ def test_python_callback_captures_the_same_rows(gm, prompt_ids):
     assert out["c"][1] == out["python"][1] > 0
 
 
+# -- tiny GGUF files made here (random weights, the embedded model's vocabulary) ------------------------------------
+
+def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=0):
+    """A tiny GGUF of a llama.cpp architecture, written with the `gguf` package: `llama`, or `olmo2` with a sliding
+    window when swa > 0 (its builder then makes llama.cpp's sliding-window cache)."""
+    import gguf
+
+    from epikv.llamacpp.model import gguf_path
+
+    src = gguf.GGUFReader(str(gguf_path("smollm2")))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    if swa:
+        w.add_sliding_window(swa)
+    for key, field in src.fields.items():  # the tokenizer, as shipped
+        if key.startswith("tokenizer."):
+            vt = field.types[0]
+            if vt == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, field.contents(), vt, sub_type=field.types[-1])
+            else:
+                w.add_key_value(key, field.contents(), vt)
+    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
+    one = lambda n: np.ones(n, np.float32)  # noqa: E731
+    hd = n_embd // n_head
+    w.add_tensor("token_embd.weight", r(vocab, n_embd))
+    w.add_tensor("output_norm.weight", one(n_embd))
+    w.add_tensor("output.weight", r(vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for name, shape in (("attn_q", (n_embd, n_embd)), ("attn_k", (n_head_kv * hd, n_embd)),
+                            ("attn_v", (n_head_kv * hd, n_embd)), ("attn_output", (n_embd, n_embd)),
+                            ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))):
+            w.add_tensor(p + name + ".weight", r(*shape))
+        norms = (("attn_q_norm", n_embd), ("attn_k_norm", n_head_kv * hd), ("post_attention_norm", n_embd),
+                 ("post_ffw_norm", n_embd)) if arch == "olmo2" else (("attn_norm", n_embd), ("ffn_norm", n_embd))
+        for name, n in norms:
+            w.add_tensor(p + name + ".weight", one(n))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_tiny_gguf_runs_with_the_last_block_captured(tmp_path):
+    """Any local .gguf: on a 4-block model epikv's B is block 3, the last, whose l_out llama.cpp cuts to the output
+    rows unless every token is an output (the engine asks for all of them then)."""
+    from epikv.llamacpp import LlamaDecoder, load_gguf
+
+    gm = load_gguf(str(_tiny_gguf(tmp_path / "tiny.gguf")))
+    dec = LlamaDecoder(gm, "epikv", 24, max_tokens=64, threads=1)
+    assert dec.blocks == [1, 3] and dec.all_outputs
+    _run(dec, list(range(100, 112)), 40)
+    assert dec.stored() == 24 and dec.evictions == 12 + 40 - 24
+    p = _cli("generate", "--engine", "llama.cpp", "--model", str(tmp_path / "tiny.gguf"), "--raw", "--prompt",
+             "Hello there", "--budget", "16", "--max-new-tokens", "20", "--threads", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["final_cache_tokens"] <= 16
+
+
+def test_a_sliding_window_gguf_is_refused_for_eviction(tmp_path):
+    """llama.cpp reports the model's window (llama_model_n_swa) and the engine refuses to evict from that cache."""
+    from epikv.llamacpp import generate, load_gguf
+
+    path = _tiny_gguf(tmp_path / "swa.gguf", arch="olmo2", swa=16)
+    gm = load_gguf(str(path))
+    assert gm.n_swa == 16
+    res = generate(gm, "Hello there", policy="full", budget=None, max_new_tokens=5, threads=1)
+    assert res.stats["evictions"] == 0
+    p = _cli("generate", "--engine", "llama.cpp", "--model", str(path), "--raw", "--prompt", "Hello there",
+             "--budget", "16", "--max-new-tokens", "4")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "sliding-window attention (16 tokens)" in p.stderr
+
+
 # -- the command line --------------------------------------------------------------------------------------------------
 
 def _cli(*argv, env=None):
