@@ -390,15 +390,66 @@ def test_python_callback_captures_the_same_rows(gm, prompt_ids):
 
 # -- tiny GGUF files made here (random weights, the embedded model's vocabulary) ------------------------------------
 
-def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=0):
-    """A tiny GGUF of a llama.cpp architecture, written with the `gguf` package: `llama`, or `olmo2` with a sliding
-    window when swa > 0 (its builder then makes llama.cpp's sliding-window cache)."""
+def _copy_tokenizer(w) -> int:
+    """The embedded GGUF's tokenizer fields into writer w; returns the vocabulary size."""
     import gguf
 
     from epikv.llamacpp.model import gguf_path
 
     src = gguf.GGUFReader(str(gguf_path("smollm2")))
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            vt = field.types[0]
+            if vt == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, field.contents(), vt, sub_type=field.types[-1])
+            else:
+                w.add_key_value(key, field.contents(), vt)
+    return len(src.fields["tokenizer.ggml.tokens"].contents())
+
+
+def _tiny_mamba(path, n_layer=2, n_embd=32, d_state=8, d_conv=4, dt_rank=4):
+    """A tiny Mamba GGUF (a recurrent model: llama.cpp keeps a state per sequence, not per token)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "mamba")
+    vocab = _copy_tokenizer(w)
+    w.add_block_count(n_layer)
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(2 * n_embd)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    rng = np.random.default_rng(0)
+    r = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
+    di = 2 * n_embd
+    w.add_tensor("token_embd.weight", r(vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for name, x in (("attn_norm.weight", np.ones(n_embd, np.float32)), ("ssm_in.weight", r(2 * di, n_embd)),
+                        ("ssm_conv1d.weight", r(di, d_conv)), ("ssm_conv1d.bias", r(di)),
+                        ("ssm_x.weight", r(dt_rank + 2 * d_state, di)), ("ssm_dt.weight", r(di, dt_rank)),
+                        ("ssm_dt.bias", r(di)), ("ssm_a", -np.ones((di, d_state), np.float32)),
+                        ("ssm_d", np.ones(di, np.float32)), ("ssm_out.weight", r(n_embd, di))):
+            w.add_tensor(p + name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=0):
+    """A tiny GGUF of a llama.cpp architecture, written with the `gguf` package: `llama`, or `olmo2` with a sliding
+    window when swa > 0 (its builder then makes llama.cpp's sliding-window cache)."""
+    import gguf
+
     w = gguf.GGUFWriter(str(path), arch)
+    vocab = _copy_tokenizer(w)
     w.add_block_count(n_layer)
     w.add_context_length(2048)
     w.add_embedding_length(n_embd)
@@ -409,14 +460,6 @@ def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head
     w.add_rope_freq_base(10000.0)
     if swa:
         w.add_sliding_window(swa)
-    for key, field in src.fields.items():  # the tokenizer, as shipped
-        if key.startswith("tokenizer."):
-            vt = field.types[0]
-            if vt == gguf.GGUFValueType.ARRAY:
-                w.add_key_value(key, field.contents(), vt, sub_type=field.types[-1])
-            else:
-                w.add_key_value(key, field.contents(), vt)
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(seed)
     r = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
     one = lambda n: np.ones(n, np.float32)  # noqa: E731
@@ -455,6 +498,20 @@ def test_a_tiny_gguf_runs_with_the_last_block_captured(tmp_path):
              "Hello there", "--budget", "16", "--max-new-tokens", "20", "--threads", "1", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["final_cache_tokens"] <= 16
+
+
+def test_a_recurrent_gguf_is_refused_for_eviction(tmp_path):
+    """llama.cpp says the model is recurrent (llama_model_is_recurrent): its state has absorbed every token, so
+    removing positions would evict nothing; `full` still runs."""
+    from epikv.llamacpp import generate, load_gguf
+
+    path = _tiny_mamba(tmp_path / "mamba.gguf")
+    gm = load_gguf(str(path))
+    assert gm.recurrent
+    assert generate(gm, "Hello", policy="full", budget=None, max_new_tokens=3, threads=1).stats["kv_bytes"] is None
+    p = _cli("generate", "--engine", "llama.cpp", "--model", str(path), "--raw", "--prompt", "Hello there",
+             "--budget", "16", "--max-new-tokens", "4")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "is a recurrent model (mamba)" in p.stderr
 
 
 def test_a_sliding_window_gguf_is_refused_for_eviction(tmp_path):

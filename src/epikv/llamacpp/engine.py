@@ -319,10 +319,14 @@ class LlamaDecoder:
         self._check_mirror()
 
     # -- lifetime -----------------------------------------------------------------------------------------------------
-    def kv_bytes(self) -> int:
-        """Bytes of the KV cache llama.cpp allocated for this context: n_ctx cells x layers x K and V."""
+    def kv_bytes(self) -> int | None:
+        """Bytes of the KV cache llama.cpp allocated for this context: n_ctx cells x layers x K and V (None for a
+        model without attention heads: a recurrent model's state is not a KV cache)."""
         ll, m = self._ll, self.gm.ptr
-        head_dim = self.gm.n_embd // int(ll.llama_model_n_head(m))
+        n_head = int(ll.llama_model_n_head(m))
+        if n_head <= 0 or self.gm.n_head_kv <= 0:
+            return None
+        head_dim = self.gm.n_embd // n_head
         per_cell = 2 * self.gm.n_layers * self.gm.n_head_kv * head_dim * (2 if self.type_kv == "f16" else 4)
         return self.n_ctx * per_cell
 
