@@ -185,6 +185,25 @@ def test_newest_token_is_never_evicted(gm, prompt_ids):
         LlamaDecoder(gm, "streaming", 64, max_tokens=80, recent=0)
 
 
+def test_a_prompt_fed_in_chunks_scores_as_one_feed(gm, prompt_ids):
+    """A prompt longer than a micro-batch is fed in pieces (each a llama_decode); its captured states and so its
+    scores match one feed of the whole prompt (to rounding), and decoding continues at true positions."""
+    from epikv.llamacpp import LlamaDecoder
+
+    ids = (prompt_ids * 8)[:300]
+    out = {}
+    for nb in (300, 64):
+        dec = LlamaDecoder(gm, "epikv", 4096, max_tokens=320, n_batch=nb, threads=1, flash_attn=False,
+                           window_over="all")
+        dec.prefill(ids)
+        dec.step(42)
+        dec.flush()
+        out[nb] = dec.token_data["score"][0]
+        assert dec.positions.tolist() == list(range(301)) and dec.cache_bounds() == (0, 300)
+    assert torch.allclose(out[300], out[64], atol=1e-4), (out[300] - out[64]).abs().max()  # measured 1.5e-6
+    assert (out[300] != 0).sum() > 250
+
+
 # -- keep sets are the policy's own ---------------------------------------------------------------------------------
 
 def test_keep_sets_equal_the_policy_fed_the_captured_states(gm, prompt_ids):
