@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..errors import EpiKVError
-from .common import (add_model_args, add_policy_args, load, nonneg_float, nonneg_int, positive_int, read_text,
+from .common import (add_model_args, add_policy_args, nonneg_float, nonneg_int, positive_int, read_text,
                      settings_by_policy)
 
 
@@ -36,6 +36,11 @@ def register(sub) -> None:
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="run a --budget larger than the model's trained context (refused otherwise)")
     add_model_args(p)
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch (transformers, default) or llama.cpp (a GGUF: --model smollm2 or a local .gguf file)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads (llama.cpp's threads, or torch.set_num_threads; default: every core available)")
     add_policy_args(p)
     p.set_defaults(run=run)
 
@@ -49,7 +54,7 @@ def status_line(info) -> str:
 
 
 def run(args) -> int:
-    from ..engine import Sampling, generate, layer_choice
+    from ..engine import Sampling
     from ..policies import get_policy
 
     if args.prompt_file:
@@ -63,15 +68,22 @@ def run(args) -> int:
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     settings = settings_by_policy(args, [args.policy])[args.policy]
-    lm = load(args)
+    if args.engine == "llama.cpp":
+        from .engines import LlamaCppEngine
+
+        eng = LlamaCppEngine(args)
+    else:
+        from .engines import TorchEngine
+
+        eng = TorchEngine(args)
     # the chat template by default, as transformers' chat tools do: an instruct model fed raw text often ends at once
-    chat = not args.raw and bool(getattr(lm.tokenizer, "chat_template", None))
+    chat = not args.raw and bool(getattr(eng.tokenizer, "chat_template", None))
     if not chat and not args.raw and (args.chat or args.system is not None):
         raise EpiKVError(f"model {args.model} has no chat template: drop {'--chat' if args.chat else '--system'}")
     live = not args.json
     tty = sys.stderr.isatty()
 
-    layers = layer_choice(lm.model, get_policy(args.policy, tau=args.tau, **settings))
+    layers = eng.layer_choice(get_policy(args.policy, tau=args.tau, **settings))
     pending = bool(layers and live)  # the blocks note, still to print
 
     def announce():
@@ -89,10 +101,10 @@ def run(args) -> int:
             sys.stderr.write(f"\x1b7\x1b[999;1H\x1b[2K{status_line(info)}\x1b8")
             sys.stderr.flush()
 
-    res = generate(lm.model, lm.tokenizer, prompt, policy=args.policy, budget=args.budget, tau=args.tau,
-                   max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=chat,
-                   system=args.system, prefill_chunk=args.prefill_chunk, on_step=on_step if live else None,
-                   allow_beyond_context=args.allow_beyond_context, **settings)
+    res = eng.generate(prompt, policy=args.policy, budget=args.budget, tau=args.tau,
+                       max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=chat,
+                       system=args.system, on_step=on_step if live else None,
+                       allow_beyond_context=args.allow_beyond_context, **settings)
     st = res.stats
     summary = {
         "text": res.texts[0], "prompt_tokens": st["prompt_tokens"][0], "new_tokens": st["new_tokens"][0],
@@ -101,7 +113,7 @@ def run(args) -> int:
         "prefill_seconds": round(st["prefill_seconds"], 3), "decode_seconds": round(st["decode_seconds"], 3),
         "tokens_per_s": round(st["tokens_per_s"], 2), "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2),
         "finish_reason": res.finish_reasons[0], "policy": st["policy"], "budget": st["budget"], "tau": st["tau"],
-        "model": args.model,
+        "model": args.model, "engine": args.engine,
     }
     if layers:
         summary["layers"] = layers

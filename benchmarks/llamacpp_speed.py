@@ -1,0 +1,296 @@
+"""Speed and memory of EPIKV inside llama.cpp (`epikv.llamacpp`) on the embedded GGUF, as ratios from one run.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py step --out benchmarks/results/llamacpp/step.json
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py long --out benchmarks/results/llamacpp/long.json
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py capture --out benchmarks/results/llamacpp/capture.json
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py interleaved --out benchmarks/results/llamacpp/interleaved.json
+
+step: decode tokens/s at batch 1, K = 512, --gen new tokens after the chat prompt, configurations taking turns in
+  rounds of --round tokens in one process (each has its own context): plain llama.cpp with the whole cache and
+  held at K by removing the oldest decode token (both a bare ctypes loop: no callback, no policy), epikv with the C
+  capture, epikv with the Python capture, and epikv in the torch engine (float32, SDPA). The figure per
+  configuration is its total decode time over its tokens; ratios are against the two plain runs.
+long: tokens/s over each 1,000 tokens of a --gen-token generation (EOS ignored), epikv K = 512 against plain
+  llama.cpp with the whole cache, each in its own child process (peak RSS of that process; KV bytes of its
+  context), the two alternating segment by segment is not possible across processes, so they run one after the
+  other; the torch engine's epikv K = 512 is run the same way unless --no-torch.
+capture: the eval callback's cost alone (bare loop without / with the C / with the Python callback).
+interleaved: the same two llama.cpp generations in one process, alternating segment by segment (speeds only).
+All llama.cpp runs use --threads threads (default 1) and llama.cpp's default F16 cache and flash-attention choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROMPT = "Explain step by step why the sum of two odd numbers is even."
+
+
+def _prompt_ids(gm):
+    from epikv.engine import encode_prompts
+
+    return encode_prompts(gm.tokenizer, [PROMPT], chat=True)[0]
+
+
+class _Llama:
+    def __init__(self, gm, ids, policy, budget, capture, total):
+        from epikv.llamacpp import LlamaDecoder
+
+        self.dec = LlamaDecoder(gm, policy, budget, max_tokens=len(ids) + total, threads=ARGS.threads,
+                                capture=capture, n_batch=min(512, len(ids)))
+        self.logits = self.dec.prefill(ids)
+
+    def run(self, n):
+        for _ in range(n):
+            self.logits = self.dec.step(int(np.argmax(self.logits)))
+
+
+class _Raw:
+    """Plain llama.cpp through the same low-level API with no epikv code: decode, copy the logits, argmax. hold=K:
+    after each token the oldest decode token is removed once the cache is over K (no eviction callback, no
+    policy), in a context sized as epikv's; else the whole cache in a context of prompt + new tokens."""
+
+    def __init__(self, gm, ids, total, hold=None, capture=None):
+        from epikv.llamacpp import load
+        from epikv.llamacpp.capture import BlockCapture
+
+        ll = self.ll = load().ll
+        cp = ll.llama_context_default_params()
+        self.cap = None
+        if capture:  # the eval callback alone (blocks 9 and 20), no policy
+            self.cap = BlockCapture([9, 20], gm.n_embd, min(512, len(ids)), capture)
+            cp.cb_eval, cp.cb_eval_user_data = self.cap.cb, self.cap.user_data
+        nb = min(512, len(ids))
+        cp.n_ctx = len(ids) + total if hold is None else min(len(ids) + total, hold + nb)
+        cp.n_batch = cp.n_ubatch = nb
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = ARGS.threads
+        self.ctx = ll.llama_init_from_model(gm.ptr, cp)
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(nb, 0, 1)
+        self.n_vocab, self.hold, self.p = gm.tokenizer.n_vocab, hold, len(ids)
+        self.seen, self.oldest = 0, len(ids)
+        self.logits = self._decode(ids)
+
+    def _decode(self, toks):
+        b, ll = self.batch, self.ll
+        b.n_tokens = len(toks)
+        for j, t in enumerate(toks):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, self.seen + j, 1, int(j == len(toks) - 1)
+            b.seq_id[j][0] = 0
+        assert ll.llama_decode(self.ctx, b) == 0
+        self.seen += len(toks)
+        if self.hold is not None and self.seen - (self.oldest - self.p) > self.hold:
+            assert ll.llama_memory_seq_rm(self.mem, 0, self.oldest, self.oldest + 1)
+            self.oldest += 1
+        out = ll.llama_get_logits_ith(self.ctx, len(toks) - 1)
+        return np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
+
+    def run(self, n):
+        for _ in range(n):
+            self.logits = self._decode([int(np.argmax(self.logits))])
+
+
+class _Torch:
+    def __init__(self, ids, budget, total):
+        import torch
+
+        from epikv import load_model
+        from epikv.engine import Decoder
+
+        torch.set_num_threads(ARGS.threads)
+        self.torch = torch
+        lm = load_model("smollm2")
+        self.dec = Decoder(lm.model, "epikv", budget)
+        with torch.inference_mode():
+            self.logits = self.dec.prefill(torch.tensor([ids]), [0])
+
+    def run(self, n):
+        with self.torch.inference_mode():
+            for _ in range(n):
+                self.logits = self.dec.step(self.logits.argmax(-1)[:, None])
+
+
+def step(args):
+    from epikv.llamacpp import load_gguf
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    total = args.gen
+    configs = {
+        "plain llama.cpp, whole cache": lambda: _Raw(gm, ids, total),
+        f"plain llama.cpp, held at K={args.budget} (oldest removed)": lambda: _Raw(gm, ids, total, args.budget),
+        "epikv llama.cpp (C capture)": lambda: _Llama(gm, ids, "epikv", args.budget, "c", total),
+        "epikv llama.cpp (Python capture)": lambda: _Llama(gm, ids, "epikv", args.budget, "python", total),
+    }
+    if not args.no_torch:
+        configs["epikv torch engine (float32)"] = lambda: _Torch(ids, args.budget, total)
+    runs = {k: make() for k, make in configs.items()}
+    spent = {k: 0.0 for k in runs}
+    done = 0
+    while done < total:
+        n = min(args.round, total - done)
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            r.run(n)
+            spent[k] += time.perf_counter() - t0
+        done += n
+    base = spent["plain llama.cpp, whole cache"]
+    held = spent[f"plain llama.cpp, held at K={args.budget} (oldest removed)"]
+    rows = []
+    for k, s in spent.items():
+        r = runs[k]
+        extra = {}
+        if isinstance(r, _Llama):
+            extra = dict(evictions=r.dec.evictions, cache_tokens=r.dec.stored(), kv_cells=r.dec.n_ctx,
+                         capture=r.dec.capture.method if r.dec.capture else None)
+        rows.append(dict(config=k, tokens=total, seconds=round(s, 3), tokens_per_s=round(total / s, 2),
+                         time_vs_plain_whole=round(s / base, 4), time_vs_plain_held=round(s / held, 4), **extra))
+    return dict(rows=rows, prompt_tokens=len(ids), budget=args.budget, threads=args.threads, round=args.round)
+
+
+def _child(args):
+    """One long generation in this process: tokens/s per segment, peak RSS, KV bytes."""
+    if args.engine == "torch":
+        import torch
+
+        r = _Torch(_ids_for_torch(), args.budget, args.gen)
+        segs = []
+        for s in range(0, args.gen, args.segment):
+            t0 = time.perf_counter()
+            r.run(min(args.segment, args.gen - s))
+            segs.append(round(min(args.segment, args.gen - s) / (time.perf_counter() - t0), 2))
+        from epikv.measure import kv_bytes_per_token
+
+        kv = kv_bytes_per_token(r.dec.model) * r.dec.cache.layers[0].capacity
+        out = dict(segments_tok_s=segs, kv_bytes=int(kv), cache_tokens=r.dec.cache.stored_length())
+    else:
+        from epikv.llamacpp import load_gguf
+
+        gm = load_gguf("smollm2")
+        ids = _prompt_ids(gm)
+        budget = args.budget if args.policy != "full" else None
+        r = _Llama(gm, ids, args.policy, budget, "auto", args.gen)
+        segs = []
+        for s in range(0, args.gen, args.segment):
+            t0 = time.perf_counter()
+            r.run(min(args.segment, args.gen - s))
+            segs.append(round(min(args.segment, args.gen - s) / (time.perf_counter() - t0), 2))
+        out = dict(segments_tok_s=segs, kv_bytes=r.dec.kv_bytes(), kv_cells=r.dec.n_ctx, cache_tokens=r.dec.stored(),
+                   evictions=r.dec.evictions)
+    out["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    print(json.dumps(out))
+
+
+def _ids_for_torch():
+    from epikv import load_model
+    from epikv.engine import encode_prompts
+
+    return encode_prompts(load_model("smollm2").tokenizer, [PROMPT], chat=True)[0]
+
+
+def long(args):
+    rows = []
+    plan = [("llama.cpp", "epikv"), ("llama.cpp", "full")] + ([] if args.no_torch else [("torch", "epikv")])
+    for engine, policy in plan:
+        cmd = [sys.executable, __file__, "_child", "--engine", engine, "--policy", policy, "--gen", str(args.gen),
+               "--segment", str(args.segment), "--budget", str(args.budget), "--threads", str(args.threads)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            raise SystemExit(f"{engine} {policy} failed: {p.stderr.strip().splitlines()[-1:]}")
+        rows.append(dict(engine=engine, policy=policy, budget=args.budget if policy != "full" else None,
+                         **json.loads(p.stdout.strip().splitlines()[-1])))
+        print(rows[-1], file=sys.stderr)
+    e, f = rows[0]["segments_tok_s"], rows[1]["segments_tok_s"]
+    return dict(rows=rows, epikv_over_full_per_segment=[round(a / b, 2) for a, b in zip(e, f)],
+                gen=args.gen, segment=args.segment, threads=args.threads)
+
+
+def capture(args):
+    """The eval callback's cost alone: the bare loop with no callback, with the C callback, with the Python
+    callback (blocks 9 and 20 copied every token, nothing else), whole cache, rounds interleaved."""
+    from epikv.llamacpp import load_gguf
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    runs = {"no callback": _Raw(gm, ids, args.gen), "C callback": _Raw(gm, ids, args.gen, capture="c"),
+            "Python callback": _Raw(gm, ids, args.gen, capture="python")}
+    spent = {k: 0.0 for k in runs}
+    for s in range(0, args.gen, args.round):
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            r.run(min(args.round, args.gen - s))
+            spent[k] += time.perf_counter() - t0
+    base = spent["no callback"]
+    asks = runs["C callback"].cap.asks / (args.gen + 1)
+    return dict(rows=[dict(config=k, tokens_per_s=round(args.gen / v, 2), time_vs_no_callback=round(v / base, 4))
+                      for k, v in spent.items()], asks_per_forward=round(asks, 1), gen=args.gen, threads=args.threads)
+
+
+def interleaved(args):
+    """epikv K and plain llama.cpp with the whole cache in one process, alternating segment by segment: the
+    tokens/s ratio per segment is measured under the same load."""
+    from epikv.llamacpp import load_gguf
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    runs = {"epikv llama.cpp": _Llama(gm, ids, "epikv", args.budget, "auto", args.gen),
+            "plain llama.cpp, whole cache": _Raw(gm, ids, args.gen)}
+    segs = {k: [] for k in runs}
+    for s in range(0, args.gen, args.segment):
+        n = min(args.segment, args.gen - s)
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            r.run(n)
+            segs[k].append(round(n / (time.perf_counter() - t0), 2))
+        print({k: v[-1] for k, v in segs.items()}, file=sys.stderr)
+    e, f = segs["epikv llama.cpp"], segs["plain llama.cpp, whole cache"]
+    return dict(segments_tok_s=segs, epikv_over_full_per_segment=[round(a / b, 2) for a, b in zip(e, f)],
+                gen=args.gen, segment=args.segment, budget=args.budget, threads=args.threads,
+                kv_cells={"epikv llama.cpp": runs["epikv llama.cpp"].dec.n_ctx})
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["step", "long", "interleaved", "capture", "_child"])
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=None)
+    ap.add_argument("--round", type=int, default=64)
+    ap.add_argument("--segment", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--engine", default="llama.cpp")
+    ap.add_argument("--policy", default="epikv")
+    ap.add_argument("--out", default=None)
+    ARGS = args = ap.parse_args()
+    if args.gen is None:
+        args.gen = 1024 if args.mode in ("step", "capture") else 6000
+    if args.mode == "_child":
+        return _child(args)
+    t0 = time.time()
+    res = {"step": step, "long": long, "interleaved": interleaved, "capture": capture}[args.mode](args)
+    import llama_cpp
+
+    res.update(command="PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py " + " ".join(sys.argv[1:]),
+               llama_cpp_python=llama_cpp.__version__, machine=platform.processor() or platform.machine(),
+               cpus=len(os.sched_getaffinity(0)), load_average=os.getloadavg(), wall_s=round(time.time() - t0, 1))
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

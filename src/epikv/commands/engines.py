@@ -1,0 +1,71 @@
+"""The engines a command can run on (`--engine torch | llama.cpp`), behind one small interface: the tokenizer, the
+blocks a policy reads on the model, and generate(). Options only one engine reads are refused on the other."""
+
+from __future__ import annotations
+
+from ..errors import EpiKVError
+
+# options of add_model_args / generate that only the torch engine reads, with their defaults
+_TORCH_ONLY = {"device": None, "device_map": None, "dtype": None, "attn": None, "prefill_chunk": None}
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, args) -> None:
+        from .common import load
+
+        if getattr(args, "threads", None):
+            import torch
+
+            torch.set_num_threads(args.threads)
+        self.args = args
+        self.lm = load(args)
+        self.tokenizer = self.lm.tokenizer
+
+    def layer_choice(self, policy):
+        from ..engine import layer_choice
+
+        return layer_choice(self.lm.model, policy)
+
+    def generate(self, prompt, **kw):
+        from ..engine import generate
+
+        return generate(self.lm.model, self.lm.tokenizer, prompt, prefill_chunk=getattr(self.args, "prefill_chunk", None),
+                        **kw)
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(self, args) -> None:
+        given = [k for k, default in _TORCH_ONLY.items() if getattr(args, k, default) != default]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise EpiKVError(f"{flags}: torch engine options; --engine llama.cpp runs on the CPU with the GGUF's own "
+                             "weights (threads: --threads)")
+        import torch
+
+        from ..llamacpp import load_gguf
+
+        # the policy's tensors here are a few rows per token: one torch thread (more only hand work between threads
+        # and take cores from llama.cpp's, which spin while they wait)
+        torch.set_num_threads(1)
+        self.args = args
+        self.gm = load_gguf(args.model)
+        self.tokenizer = self.gm.tokenizer
+
+    def layer_choice(self, policy):
+        from ..llamacpp import check_policy
+        from ..policies.hidden import layer_note
+
+        check_policy(policy, self.gm.depth)  # refused before any output
+        if not hasattr(policy, "layers"):
+            return None
+        blocks = sorted(policy.observes(self.gm.depth).hidden_layers)
+        return layer_note(policy.layers, self.gm.depth, blocks) if blocks else None
+
+    def generate(self, prompt, **kw):
+        from ..llamacpp import generate
+
+        return generate(self.gm, prompt, threads=getattr(self.args, "threads", None), **kw)

