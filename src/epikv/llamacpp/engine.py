@@ -350,8 +350,9 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
              type_kv: str = "f16", flash_attn: bool | None = None, **policy_settings):
     """Generate for one prompt with llama.cpp; the same result and statistics as epikv.engine.generate (plus the
     engine's own: threads, capture method, context cells and KV bytes)."""
-    from ..engine import (GenerationResult, Sampler, Sampling, StepInfo, _cut_stop, _new_text, _sync_rows, _trim,
+    from ..engine import (GenerationResult, Sampler, Sampling, StepInfo, _new_text, _sync_rows, _trim,
                           check_context, encode_prompts)
+    from ..stops import StopStream, cut_at_stop
     from ..progress import live_rate
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -378,6 +379,9 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
         reasons = ["length"]
         synced = [0]
         marks = []
+        decode = lambda r: tok.decode(r, skip_special_tokens=True)  # noqa: E731
+        # with stop strings the stream holds back what may begin one (epikv.stops: the one rule)
+        stream = StopStream(decode, stop) if stop else None
         t0 = time.perf_counter()
         logits = dec.prefill(ids)
         t_pre = time.perf_counter()
@@ -388,22 +392,27 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
             fin = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tok, stop)
             if on_step:
                 elapsed = time.perf_counter() - t_pre
-                on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=_new_text(tok, host_tokens[0]),
+                last = fin[0] or step == max_new_tokens - 1
+                new_text = stream.step(_trim(host_tokens[0], eos), last) if stream else _new_text(tok, host_tokens[0])
+                on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=new_text,
                                  cache_tokens=dec.stored(), evictions=dec.evictions,
                                  tokens_per_s=live_rate(step + 1, elapsed)))
             if fin[0] or step == max_new_tokens - 1:
                 break
             logits = dec.step(nxt)
-        token_ids = _trim(host_tokens[0], eos)
-        (max_c, final_c, n_ev), t_end = marks[len(token_ids) - 1]
+        # a stop string cuts text and ids alike; the statistics are those of the last token returned (epikv.stops)
+        text, token_ids, _ = cut_at_stop(decode, _trim(host_tokens[0], eos), stop)
+        (max_c, final_c, n_ev), t_end = marks[max(len(token_ids) - 1, 0)]
         seconds, t_prefill = t_end - t0, t_pre - t0
+        n_new = len(token_ids)
+        # seconds = prefill_seconds + decode_seconds; tokens_per_s over all of it, decode_tokens_per_s over the decode
         stats = dict(max_cache_tokens=max_c, final_cache_tokens=final_c, evictions=n_ev, prompt_tokens=[len(ids)],
-                     new_tokens=[len(token_ids)], seconds=seconds, prefill_seconds=t_prefill,
-                     decode_steps=len(token_ids), tokens_per_s=len(token_ids) / max(seconds - t_prefill, 1e-9),
+                     new_tokens=[n_new], seconds=seconds, prefill_seconds=t_prefill, decode_seconds=seconds - t_prefill,
+                     decode_steps=max(n_new, 1), tokens_per_s=n_new / max(seconds, 1e-9),
+                     decode_tokens_per_s=n_new / max(seconds - t_prefill, 1e-9),
                      policy=dec.policy.name, budget=dec.budget, tau=dec.tau, seeds=[seed], engine="llama.cpp",
                      threads=dec.threads, capture=dec.capture.method if dec.capture else None,
                      kv_cells=dec.n_ctx, kv_bytes=dec.kv_bytes())
-        text = _cut_stop(tok.decode(token_ids, skip_special_tokens=True), stop)
         return GenerationResult(texts=[text], token_ids=[token_ids], prompt_tokens=[len(ids)],
                                 finish_reasons=reasons, stats=stats)
     finally:
