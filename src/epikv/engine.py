@@ -38,10 +38,11 @@ class Sampling:
     its seed; a row's tokens never depend on the other rows of its batch.
     `draw`: how a token is drawn from the processed scores. "cdf" (default): one uniform per step, inverse CDF.
     "gumbel": Gumbel-max, argmax(scores + Gumbel noise), one noise value per vocabulary entry and step from the
-    row's seeded stream. Both sample the same distribution; Gumbel-max changes a token only when float noise in the
-    logits reorders its two best perturbed scores, so it stays the same when the logits move by rounding (another
-    batch composition in a serving engine), where the inverse CDF moves across thousands of close boundaries of a
-    flat distribution. `epikv serve` draws with "gumbel"."""
+    row's seeded stream, on the model's device (a seed gives the same stream on every CPU, and on every CUDA
+    device, not across the two). Both sample the same distribution; Gumbel-max changes a token only when float
+    noise in the logits reorders its two best perturbed scores, so it stays the same when the logits move by
+    rounding (another batch composition in a serving engine), where the inverse CDF moves across thousands of
+    close boundaries of a flat distribution. `epikv serve` draws with "gumbel"."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -130,10 +131,10 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_max(scores: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row by Gumbel-max: argmax(scores + G), G = -log(-log(U)) with U drawn (on the host) from row i's
-    generator gens[i], one per vocabulary entry. scores [batch, vocab]: log-probabilities up to a constant (-inf:
-    never drawn)."""
-    u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in gens])
+    """One token per row by Gumbel-max: argmax(scores + G), G = -log(-log(U)) with U drawn from row i's generator
+    gens[i] (on its device: a vocabulary of noise per token is too much to copy from the host at every step), one per
+    vocabulary entry. scores [batch, vocab]: log-probabilities up to a constant (-inf: never drawn)."""
+    u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64, device=g.device) for g in gens])
     noise = -torch.log(-torch.log(u.clamp(min=1e-300)))  # [batch, vocab]; U = 0 would give -inf, never +inf
     return (scores.double() + noise.to(scores.device)).argmax(dim=-1)
 
@@ -157,8 +158,8 @@ class Sampler:
         self.ids = torch.cat([ids, torch.zeros(b, max_new_tokens, dtype=torch.long)], dim=1).to(device)
         self.u = None
         self.gumbel = cfg.draw == "gumbel"
-        if not self.greedy and self.gumbel:  # one host stream per row, drawn from step by step
-            self.gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        if not self.greedy and self.gumbel:  # one stream per row on the device, drawn from step by step
+            self.gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         elif not self.greedy:
             u = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s)))
                              for s in seeds])  # [batch, max_new_tokens]
