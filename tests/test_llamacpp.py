@@ -363,6 +363,26 @@ def test_generate_matches_the_decoder_and_streams(gm):
     assert res.stats["engine"] == "llama.cpp" and res.stats["capture"] in ("c", "python")
 
 
+def test_sampling_is_the_torch_engines_sampler(gm):
+    """Temperature, top-p and the seed go through epikv.engine's Sampler: a seed reproduces its tokens, another seed
+    draws others, and greedy is the argmax of llama.cpp's logits."""
+    from epikv.engine import Sampling
+    from epikv.llamacpp import LlamaDecoder, generate
+
+    kw = dict(policy="epikv", budget=72, max_new_tokens=24, chat=True, threads=1)
+    a = generate(gm, PROMPT, sampling=Sampling(temperature=1.0, top_p=0.95, seed=1), **kw).token_ids[0]
+    b = generate(gm, PROMPT, sampling=Sampling(temperature=1.0, top_p=0.95, seed=1), **kw).token_ids[0]
+    c = generate(gm, PROMPT, sampling=Sampling(temperature=1.0, top_p=0.95, seed=2), **kw).token_ids[0]
+    assert a == b and a != c
+    greedy = generate(gm, PROMPT, **kw).token_ids[0]
+    from epikv.engine import encode_prompts
+
+    dec = LlamaDecoder(gm, "epikv", 72, max_tokens=100, threads=1, n_batch=64)
+    toks = []
+    _run(dec, encode_prompts(gm.tokenizer, [PROMPT], chat=True)[0], len(greedy) - 1, lambda s, t: toks.append(t))
+    assert toks == greedy[: len(toks)]
+
+
 # -- refusals of models and builders ---------------------------------------------------------------------------------
 
 def test_refuses_recurrent_hybrid_and_sliding_window_models(gm):
