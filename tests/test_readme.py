@@ -188,6 +188,7 @@ def test_openai_client_blocks_run_against_a_server(tiny, monkeypatch):
     app = App(backend, tiny.tokenizer, reasoning_parser="deepseek-r1")
     try:
         code = code.replace("http://127.0.0.1:8000", app.url).replace("[...]", repr([{"role": "user", "content": "Hi"}]))
+        code = code.replace('model="smollm2"', 'model="scripted"')  # the name the scripted server serves
         printed: list = []
         exec(compile(code, "README.md", "exec"), {"print": lambda *a: printed.extend(a), "__name__": "readme"})
     finally:
