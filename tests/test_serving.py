@@ -287,7 +287,9 @@ def test_served_policies_accepted(tiny):
 
 
 def test_internals_self_check(tiny, monkeypatch):
-    """The start-up check looks at signatures and behaviour, not a version string (on either paged layout)."""
+    """The start-up check looks at signatures and behaviour, not a version string (on either paged layout); a
+    refused start leaves the model as it was (5.17 switches it to paged attention when the manager is made)."""
+    attn = tiny.model.config._attn_implementation
     from epikv.serving.layout import LedgerLayout, layout_kind
 
     if layout_kind() is LedgerLayout:  # 5.18+
@@ -312,6 +314,7 @@ def test_internals_self_check(tiny, monkeypatch):
         msg = _one_line(lambda: start_manager(tiny.model, ServeSpec(**BASE)))
         assert "get_write_indices" in msg
     assert getattr(tiny.model, "_epikv_serving", None) is None
+    assert tiny.model.config._attn_implementation == attn
 
 
 def test_smollm2_equivalence(smollm2):

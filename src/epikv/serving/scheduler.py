@@ -385,6 +385,8 @@ def start_manager(model, spec: ServeSpec, generation_config=None):
     rt.install()
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     _RUNTIMES[id(cfg)] = rt
+    # some versions (5.17) switch the model to paged attention when the manager is made; a refused start restores it
+    attn = model.config._attn_implementation
     try:
         manager = model.init_continuous_batching(generation_config=generation_config,
                                                  continuous_batching_config=cb)
@@ -412,6 +414,8 @@ def start_manager(model, spec: ServeSpec, generation_config=None):
         manager.start()
     except BaseException:
         rt.close()
+        if model.config._attn_implementation != attn:
+            model.set_attn_implementation(attn)
         raise
     return manager
 
