@@ -5,7 +5,7 @@ the budget by removing single cells (LLAMACPP.md sections 2 and 3).
   (`LlamaBackend`, the serving.backend.Backend interface).
 - One unified KV stream of `ctx` cells shared by up to `sequences` sequences: a cell one sequence frees serves any
   other. A request is admitted (first come, first served) when its protected prompt and recency window fit the free
-  cells not yet promised to sequences still filling theirs (`full`: its prompt and what it generated).
+  cells not yet promised to sequences still filling theirs (`full`, which never evicts: its prompt and max_tokens).
 - Each step is one `llama_decode` of one batch: the next token of every decoding sequence, then prompt chunks, at
   most `max_batch_tokens` rows and never more than the free cells. With one unified stream and n_ubatch = the batch,
   row i of a captured block output is batch token i (LLAMACPP.md section 1), so each sequence reads its own slice.
@@ -60,7 +60,8 @@ class _Req:
 
 class LlamaBackend(Backend):
     """The llama.cpp engine behind `epikv serve`: one context of `ctx` cells (llama.cpp may allocate more, rounded
-    up; only `ctx` are used), up to `sequences` sequences, `max_batch_tokens` rows a decode."""
+    up; only `ctx` are used), up to `sequences` sequences, `max_batch_tokens` rows a decode. spare_sequences:
+    sequence ids past `sequences` left to a caller (the tests build an oracle there from the engine thread)."""
 
     sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     per_request_eos = True
@@ -68,7 +69,7 @@ class LlamaBackend(Backend):
     def __init__(self, gm: GGUFModel, policy="epikv", budget: int | None = 1024, tau: int | None = None, *,
                  ctx: int, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
-                 **policy_settings) -> None:
+                 spare_sequences: int = 0, **policy_settings) -> None:
         self.gm = gm
         self.policy, self.blocks = checked_policy(gm, policy, budget, tau, **policy_settings)
         ev = self.policy.evicts
@@ -91,7 +92,7 @@ class LlamaBackend(Backend):
         self.type_kv = type_kv
         self._ll = ll = lib.load().ll
         self.ctx, self.capture = make_context(gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens,
-                                              n_seq_max=sequences, threads=self.threads, capture=capture,
+                                              n_seq_max=sequences + spare_sequences, threads=self.threads, capture=capture,
                                               type_kv=type_kv, flash_attn=flash_attn)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.mem = ll.llama_get_memory(self.ctx)
@@ -110,6 +111,7 @@ class LlamaBackend(Backend):
                              evicted_tokens=0, steps=0, batch_rows=0, max_running=0)
         self._hold = False  # set by a preemption, cleared when a request ends
         self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
+        self.trace: dict[str, list] | None = None  # test hook: request id -> the logits each token was drawn from
         self.on_step = None  # test hook: called by the engine thread after each step with this backend
         self._thread = threading.Thread(target=self._loop, name="epikv-llamacpp", daemon=True)
         self._thread.start()
@@ -142,10 +144,11 @@ class LlamaBackend(Backend):
 
     def need(self, r: _Req) -> int:
         """Cells a request must find free to be admitted: its protected prompt and recency window under an evicting
-        policy (at most its whole length), else its prompt and what it generated before a preemption, plus one."""
+        policy (at most its whole length); a policy that never evicts reserves its whole length, prompt and
+        max_tokens, so it is never preempted."""
         if self.policy.evicts:
             return min(self.policy.protected(len(r.prompt)) + self.recent, r.known)
-        return r.known + 1
+        return len(r.prompt) + r.max_tokens
 
     def prompt_refusal(self, n_prompt: int) -> str | None:
         if self.policy.evicts:
@@ -155,26 +158,33 @@ class LlamaBackend(Backend):
             need = self.policy.protected(n_prompt) + self.recent
             if min(need, n_prompt) > self.cells:
                 return f"the prompt's protected tokens and recency window ({need}) exceed the {self.cells} cells"
-        elif n_prompt + 1 > self.cells:
+        elif n_prompt + 1 > self.cells:  # (the app refuses prompt + max_tokens beyond the cells: total_limit)
             return f"prompt ({n_prompt} tokens) does not fit the {self.cells} cells of the cache"
         return None
 
     def stats(self) -> dict:
         c = dict(self.counters)
+        c["evictions"], c["evicted_tokens"] = self._totals()
         c.update(engine="llama.cpp", cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
                  running=len(self._running), waiting=len(self._waiting))
         return c
 
-    def gauges(self) -> dict:
-        c = self.counters
-        return {"cells_in_use": self._in_use, "cells_free": self.cells - self._in_use, "evictions": c["evictions"],
-                "evicted_tokens": c["evicted_tokens"], "preemptions": c["preemptions"]}
+    def _totals(self) -> tuple[int, int]:
+        """Evictions and evicted tokens: those of ended sequences and of the running ones."""
+        live = [r.seq for r in list(self._running) if r.seq is not None]
+        return (self.counters["evictions"] + sum(s.evictions for s in live),
+                self.counters["evicted_tokens"] + sum(s.evicted_tokens for s in live))
 
-    def stop(self) -> None:
+    def gauges(self) -> dict:
+        ev, toks = self._totals()
+        return {"cells_in_use": self._in_use, "cells_free": self.cells - self._in_use, "evictions": ev,
+                "evicted_tokens": toks, "preemptions": self.counters["preemptions"]}
+
+    def stop(self, block: bool = True, timeout: float = 30.0) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout if block else 0)
         if not self._thread.is_alive() and self.ctx:
             self._ll.llama_batch_free(self.batch)
             self._ll.llama_free(self.ctx)
@@ -343,6 +353,8 @@ class LlamaBackend(Backend):
 
     def _sample(self, r: _Req, logits: np.ndarray) -> None:
         step = len(r.generated)
+        if self.trace is not None:
+            self.trace.setdefault(r.rid, []).append(logits.copy())
         if r.sampler is None:
             tok = int(np.argmax(logits))
         else:
