@@ -98,7 +98,7 @@ def test_one_sequence_at_a_time_equals_generate(gm, request):
 
 
 def test_batched_sequences_agree_with_the_single_sequence_engine(gm, request, monkeypatch):
-    """8 sequences batched together: each one's captured rows and logits match the single-sequence decoder fed the
+    """6 sequences batched together: each one's captured rows and logits match the single-sequence decoder fed the
     same tokens, within the tolerances of the module docstring."""
     from epikv.llamacpp import LlamaDecoder
     from epikv.llamacpp.sequence import SequenceCache
@@ -111,13 +111,13 @@ def test_batched_sequences_agree_with_the_single_sequence_engine(gm, request, mo
         record(self, t, rows)
 
     monkeypatch.setattr(SequenceCache, "record", logged)
-    prompts = _prompts(gm, 8)
-    be = _backend(gm, request, ctx=1024, sequences=8, max_batch_tokens=64)
+    prompts = _prompts(gm, 6)
+    be = _backend(gm, request, ctx=1024, sequences=6, max_batch_tokens=64)
     be.trace = {}
     seq_of = {}
     be.on_step = lambda b: seq_of.update({r.rid: id(r.seq) for r in b._running})
     done = _run(be, prompts)
-    assert be.stats()["max_running"] == 8 and be.stats()["evictions"] >= 8
+    assert be.stats()["max_running"] == 6 and be.stats()["evictions"] >= 6
     for k, ids in enumerate(prompts):
         toks = done[str(k)].tokens
         dec = LlamaDecoder(gm, max_tokens=len(ids) + N, flash_attn=False, n_batch=len(ids), threads=1, **KW)
@@ -202,13 +202,13 @@ def test_cells_return_after_eviction_and_finishing(gm, request):
 
 
 def test_more_sequences_than_full_in_the_same_cells(gm, request):
-    """In 320 cells, `full` (whole length reserved) runs 2 requests of ~47 + 80 tokens at once; epikv at K=64 at
+    """In 320 cells, `full` (whole length reserved) runs 2 requests of ~47 + 60 tokens at once; epikv at K=64 at
     least twice as many."""
     prompts = _prompts(gm, 6)
     full = _backend(gm, request, ctx=320, sequences=8, max_batch_tokens=128, policy="full", budget=None)
-    _run(full, prompts, max_tokens=80)
+    _run(full, prompts, max_tokens=60)
     epi = _backend(gm, request, ctx=320, sequences=8, max_batch_tokens=128)
-    _run(epi, prompts, max_tokens=80)
+    _run(epi, prompts, max_tokens=60)
     assert full.stats()["max_running"] == 2 and full.stats()["preemptions"] == 0
     assert epi.stats()["max_running"] >= 4, epi.stats()
 
@@ -345,49 +345,18 @@ def test_soak_on_llama_cpp():
     import random
 
     from prometheus_client.parser import text_string_to_metric_families
-    from test_serving_soak import _drop_mid_stream, _post
+    from test_serving_soak import HealthWatch, soak_request
 
     from test_serving_http import Served  # the serve tests' launcher
 
     s = Served(["--engine", "llama.cpp", "--ctx", "640", "--sequences", "8", "--budget", "64", "--threads", "1",
                 "--max-batch-tokens", "128", "--max-tokens", "40"])
     try:
-        health_bad, stop = [], threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                try:
-                    h = s.get("/health")
-                    if h != {"status": "ok"}:
-                        health_bad.append(h)
-                except Exception as e:  # noqa: BLE001 (any failure is a finding)
-                    health_bad.append(repr(e))
-                time.sleep(0.2)
+        health = HealthWatch(s)
 
         def one(i):
-            r = random.Random(2000 + i)
-            body = dict(model="smollm2", prompt=[r.randrange(3, 49152) for _ in range(r.randint(1, 40))],
-                        max_tokens=r.randint(1, 40))
-            if r.random() < 0.5:
-                body.update(temperature=0.6, top_p=0.95, seed=i)
-            if i % 20 == 7:
-                status, text = _post(s.url, b'{"prompt": [1, 2' if i % 40 == 7 else json.dumps(
-                    {**body, "max_tokens": -3}).encode())
-                assert status == 400 and "error" in json.loads(text), text
-                return "malformed", None
-            if i % 10 == 3:
-                _drop_mid_stream(s.url, body)
-                return "dropped", None
-            if i % 3 == 0:
-                parts = list(s.client.completions.create(stream=True, **body))
-                assert parts[-1].choices[0].finish_reason in ("stop", "length")
-                return "streamed", parts[0].id
-            out = s.client.completions.create(**body)
-            assert out.choices[0].finish_reason in ("stop", "length")
-            return "whole", out.id
+            return soak_request(s, i, random.Random(2000 + i), "smollm2")
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
         with ThreadPoolExecutor(16) as ex:
             got = list(ex.map(one, range(60)))
         end = time.monotonic() + 20
@@ -395,8 +364,7 @@ def test_soak_on_llama_cpp():
         while (st["http"]["in_flight"] or st["engine"]["cells_in_use"]) and time.monotonic() < end:
             time.sleep(0.1)
             st = s.get("/stats")
-        stop.set()
-        watcher.join(5)
+        health_bad = health.stop()
         kinds = [k for k, _ in got]
         ids = [x for _, x in got if x is not None]
         answered = kinds.count("whole") + kinds.count("streamed")
