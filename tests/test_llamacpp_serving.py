@@ -190,10 +190,10 @@ def test_cells_return_after_eviction_and_finishing(gm, request):
     """Free cells go back up when a sequence evicts and to all of --ctx when it ends; llama.cpp then holds nothing for
     any sequence id; a context that fits only two sequences serves six, one after another."""
     be = _backend(gm, request, ctx=160, sequences=2, max_batch_tokens=64)
-    in_use = []
-    be.on_step = lambda b: in_use.append(b.gauges()["cells_in_use"])
+    in_use, free = [], []
+    be.on_step = lambda b: (in_use.append(b.gauges()["cells_in_use"]), free.append(b.gauges()["cells_free"]))
     _run(be, _prompts(gm, 6), max_tokens=40)
-    assert max(in_use) <= 160
+    assert max(in_use) <= 160 and all(u + f == 160 for u, f in zip(in_use, free))
     assert any(b < a for a, b in zip(in_use, in_use[1:]))  # evictions and endings freed cells
     g = be.gauges()
     assert g["cells_in_use"] == 0 and g["cells_free"] == 160 and g["evictions"] > 0
