@@ -62,6 +62,56 @@ def _drop_mid_stream(url, body: dict) -> None:
         c.close()
 
 
+class HealthWatch:
+    """Polls /health every 0.2 s in a thread; stop() returns every answer that was not ok."""
+
+    def __init__(self, s) -> None:
+        self.bad: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(s,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, s) -> None:
+        while not self._stop.is_set():
+            try:
+                h = s.get("/health")
+                if h != {"status": "ok"}:
+                    self.bad.append(h)
+            except Exception as e:  # noqa: BLE001 (any failure is a finding)
+                self.bad.append(repr(e))
+            time.sleep(0.2)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(5)
+        return self.bad
+
+
+def soak_request(s, i: int, r: random.Random, model: str, vocab: int = 49152):
+    """One soak request number i, drawn from r: random prompt ids and length, half sampled; one in twenty malformed,
+    one in ten dropped mid-stream, a third streamed. -> (kind, id or None)."""
+    prompt = [r.randrange(3, vocab) for _ in range(r.randint(1, 40))]
+    body = dict(model=model, prompt=prompt, max_tokens=r.randint(1, 40))
+    if r.random() < 0.5:
+        body.update(temperature=0.6, top_p=0.95, seed=i)
+    if i % 20 == 7:  # malformed: broken JSON or a bad field
+        status, text = _post(s.url, b'{"prompt": [1, 2' if i % 40 == 7 else json.dumps(
+            {**body, "max_tokens": -3}).encode())
+        assert status == 400 and "error" in json.loads(text), text
+        return "malformed", None
+    if i % 10 == 3:
+        _drop_mid_stream(s.url, body)
+        return "dropped", None
+    if i % 3 == 0:
+        parts = list(s.client.completions.create(stream=True, **body))
+        assert parts[-1].choices[0].finish_reason in ("stop", "length")
+        assert len({p.id for p in parts}) == 1
+        return "streamed", parts[0].id
+    out = s.client.completions.create(**body)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    return "whole", out.id
+
+
 def _wait_idle(s, timeout=20):
     end = time.monotonic() + timeout
     st = s.get("/stats")
@@ -127,52 +177,18 @@ def test_metrics_of_the_real_engine_and_soak(request):
     s = Served(["--model", MODEL, "--policy", "epikv", "--budget", "64", "--page", "8", "--num-blocks", "256",
                 "--max-batch-tokens", "128", "--max-tokens", "40"])
     request.addfinalizer(lambda: (s.proc.send_signal(signal.SIGTERM), s.proc.wait(60)))
-    vocab = 49152
-    health_bad, stop = [], threading.Event()
-
-    def watch_health():
-        while not stop.is_set():
-            try:
-                h = s.get("/health")
-                if h != {"status": "ok"}:
-                    health_bad.append(h)
-            except Exception as e:  # noqa: BLE001 (any failure is a finding)
-                health_bad.append(repr(e))
-            time.sleep(0.2)
-
-    def one(i):
-        """-> (kind, id or None)."""
-        r = rng_for(i)
-        prompt = [r.randrange(3, vocab) for _ in range(r.randint(1, 40))]
-        body = dict(model=MODEL, prompt=prompt, max_tokens=r.randint(1, 40))
-        if r.random() < 0.5:
-            body.update(temperature=0.6, top_p=0.95, seed=i)
-        if i % 20 == 7:  # malformed: broken JSON or a bad field
-            status, text = _post(s.url, b'{"prompt": [1, 2' if i % 40 == 7 else json.dumps(
-                {**body, "max_tokens": -3}).encode())
-            assert status == 400 and "error" in json.loads(text), text
-            return "malformed", None
-        if i % 10 == 3:
-            _drop_mid_stream(s.url, body)
-            return "dropped", None
-        if i % 3 == 0:
-            parts = list(s.client.completions.create(stream=True, **body))
-            assert parts[-1].choices[0].finish_reason in ("stop", "length")
-            assert len({p.id for p in parts}) == 1
-            return "streamed", parts[0].id
-        out = s.client.completions.create(**body)
-        assert out.choices[0].finish_reason in ("stop", "length")
-        return "whole", out.id
+    health = HealthWatch(s)
 
     def rng_for(i):
         return random.Random(1000 + i)
+
+    def one(i):
+        return soak_request(s, i, rng_for(i), MODEL)
 
     def run(ids):
         with ThreadPoolExecutor(16) as ex:
             return list(ex.map(one, ids))
 
-    watcher = threading.Thread(target=watch_health, daemon=True)
-    watcher.start()
     t0 = time.monotonic()
     warm = run(range(100))
     idle = _wait_idle(s)
@@ -182,8 +198,7 @@ def test_metrics_of_the_real_engine_and_soak(request):
     soak_s = time.monotonic() - t1
     st = _wait_idle(s)
     rss_after = _rss_kib(s.proc.pid)
-    stop.set()
-    watcher.join(5)
+    health_bad = health.stop()
     kinds = [k for k, _ in warm + got]
     ids = [x for _, x in warm + got if x is not None]
     answered = kinds.count("whole") + kinds.count("streamed")

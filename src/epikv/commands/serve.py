@@ -1,4 +1,5 @@
-"""`epikv serve`: an OpenAI-compatible HTTP server on transformers' continuous batching, with eviction inside it."""
+"""`epikv serve`: an OpenAI-compatible HTTP server with eviction inside continuous batching, on transformers'
+continuous batching (pages) or on one llama.cpp context (`--engine llama.cpp`, single cells)."""
 
 from __future__ import annotations
 
@@ -36,19 +37,31 @@ def register(sub) -> None:
                                    "min_p, seed). Needs `pip install 'epikv[serve]'`.")
     add_model_args(p)
     add_policy_args(p)
-    g = p.add_argument_group("paged cache")
-    g.add_argument("--page", type=positive_int, default=16,
+    e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch (transformers' continuous batching over a paged cache, default) or llama.cpp (one "
+                        "llama.cpp context of --ctx cells shared by up to --sequences sequences; --model smollm2 or "
+                        "a local .gguf file)")
+    g = p.add_argument_group("paged cache (--engine torch)")
+    g.add_argument("--page", type=positive_int, default=None,
                    help="tokens per cache page (block); eviction drops whole pages (default 16)")
-    g.add_argument("--num-blocks", type=positive_int, required=True,
+    g.add_argument("--num-blocks", type=positive_int, default=None,
                    help="pages in the shared KV cache (required: the engine's default fills 90%% of free memory)")
-    g.add_argument("--max-batch-tokens", type=positive_int, default=256,
+    c = p.add_argument_group("cells (--engine llama.cpp)")
+    c.add_argument("--ctx", type=positive_int, default=None,
+                   help="KV cells of the one llama.cpp context, shared by all sequences (required); eviction frees "
+                        "single cells")
+    c.add_argument("--sequences", type=positive_int, default=None,
+                   help="sequences decoded at once, at most (required; up to 256)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=256,
                    help="tokens per forward pass (prefill chunks + one per decoding request; default 256)")
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     h.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
     h.add_argument("--max-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that names none (default 256)")
-    h.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    h.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads (torch's, or llama.cpp's: default half the cores)")
     h.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="return the thinking part of chat answers (<think>...</think>) as reasoning_content, "
                         "whole and streamed (default: off, all in content)")
@@ -99,16 +112,27 @@ def run(args) -> int:
     if missing:
         raise EpiKVError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
                          "pip install 'epikv[serve]'")
+    settings = settings_by_policy(args, [args.policy])[args.policy]  # unknown policy, stray --set: refused here
+    from ..policies import REGISTRY
+
+    evicts = REGISTRY[args.policy].evicts
+    if args.engine == "llama.cpp":
+        return _run_llamacpp(args, settings, evicts)
+    given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is not None]
+    if given:
+        raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
+                         "--num-blocks pages of --page tokens")
+    if args.num_blocks is None:
+        raise EpiKVError("--num-blocks is required (pages in the shared KV cache; the engine's default would fill 90% "
+                         "of free memory)")
+    args.page = args.page or 16
     import torch
 
     from ..engine import eos_ids
-    from ..policies import REGISTRY
     from ..serving import ServeSpec, check_serving, start_manager
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = settings_by_policy(args, [args.policy])[args.policy]  # unknown policy, stray --set: refused here
-    evicts = REGISTRY[args.policy].evicts
     spec = ServeSpec(policy=args.policy, settings=settings, budget=args.budget if evicts else None, page=args.page,
                      num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, recency=args.recent,
                      tau=args.tau)
@@ -124,8 +148,9 @@ def run(args) -> int:
 def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
     from transformers import GenerationConfig
 
-    from ..serving.app import Server, build_app
+    from ..serving.app import Server
     from ..serving.backend import TransformersBackend
+
     eos = eos_ids(lm.model, lm.tokenizer)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     # the engine decodes greedily; a sampled request's own sampler picks its tokens (serving/sampling.py)
@@ -146,33 +171,86 @@ def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
                               "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
                               "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})
-        app = build_app(server)
-        import uvicorn
-
-        cfg = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
-                             timeout_graceful_shutdown=5, lifespan="off")
-        userver = _QuietServer(cfg)
-
-        def on_signal(sig, frame):  # first signal: drain, then stop; second: stop now
-            if server.draining:
-                userver.force_exit = userver.should_exit = True
-                return
-            server.start_drain(args.drain_timeout)
-            threading.Thread(target=_drain, args=(server, userver, args.drain_timeout), name="epikv-serve-drain",
-                             daemon=True).start()
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        sock.listen(2048)  # connections wait in the backlog from here on, so the line below means "ready"
-        host, port = sock.getsockname()[:2]
         what = f"{spec.policy}" + (f" K={spec.budget}" if spec.budget else "")
-        print(f"epikv serve: listening on http://{host}:{port} (model {args.model}, {what}, page {spec.page}, "
-              f"{spec.num_blocks} blocks)", file=sys.stderr, flush=True)
-        userver.run(sockets=[sock])
+        _http(args, server, sock, f"model {args.model}, {what}, page {spec.page}, {spec.num_blocks} blocks")
     finally:
         if server is not None:
             server.close()
         _stop_manager(manager)
+    print("epikv serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _http(args, server, sock, banner: str) -> None:
+    """Serve `server` on the bound socket until a signal (the first drains, a second stops at once)."""
+    from ..serving.app import build_app
+
+    app = build_app(server)
+    import uvicorn
+
+    cfg = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
+                         timeout_graceful_shutdown=5, lifespan="off")
+    userver = _QuietServer(cfg)
+
+    def on_signal(sig, frame):  # first signal: drain, then stop; second: stop now
+        if server.draining:
+            userver.force_exit = userver.should_exit = True
+            return
+        server.start_drain(args.drain_timeout)
+        threading.Thread(target=_drain, args=(server, userver, args.drain_timeout), name="epikv-serve-drain",
+                         daemon=True).start()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    sock.listen(2048)  # connections wait in the backlog from here on, so the line below means "ready"
+    host, port = sock.getsockname()[:2]
+    print(f"epikv serve: listening on http://{host}:{port} ({banner})", file=sys.stderr, flush=True)
+    userver.run(sockets=[sock])
+
+
+def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
+    """`epikv serve --engine llama.cpp`: the same app on LlamaBackend (epikv.llamacpp.serving)."""
+    given = [f for f, v in (("--num-blocks", args.num_blocks), ("--page", args.page)) if v is not None]
+    if given:
+        raise EpiKVError(f"{' and '.join(given)}: options of the torch engine's paged cache; --engine llama.cpp "
+                         "takes --ctx cells and --sequences")
+    missing = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is None]
+    if missing:
+        raise EpiKVError(f"--engine llama.cpp needs {' and '.join(missing)} (KV cells of the one context, and the "
+                         "sequences decoded at once)")
+    from ..serving.app import Server
+    from .engines import LlamaCppEngine
+
+    eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF: refused here in one line
+    from ..llamacpp.serving import LlamaBackend
+
+    backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
+                           sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
+                           **settings)
+    sock = None
+    server = None
+    try:
+        sock = _bind(args.host, args.port)
+        tok = eng.gm.tokenizer
+        server = Server(backend, tok, model_name=args.model, eos=tok.eog_ids(), default_max_tokens=args.max_tokens,
+                        max_positions=eng.gm.n_ctx_train or None, prompt_limit=args.ctx if evicts else None,
+                        total_limit=None if evicts else args.ctx, max_waiting=args.max_waiting,
+                        request_timeout=args.request_timeout, reasoning_parser=args.reasoning_parser,
+                        info={"model": args.model, "engine": "llama.cpp", "policy": args.policy,
+                              "budget": backend.budget, "ctx": args.ctx, "sequences": args.sequences,
+                              "max_batch_tokens": args.max_batch_tokens, "threads": backend.threads,
+                              "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
+                              "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
+                              "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}})
+        what = args.policy + (f" K={backend.budget}" if backend.budget else "")
+        _http(args, server, sock, f"llama.cpp, model {args.model}, {what}, {args.ctx} cells, "
+                                  f"{args.sequences} sequences")
+    finally:
+        if server is not None:
+            server.close()
+        _stop_manager(backend)
+        if sock is not None:
+            sock.close()
     print("epikv serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -19,18 +19,18 @@ from __future__ import annotations
 import os
 import time
 from types import SimpleNamespace
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import EpiKVError
-from ..policies import CacheView, Policy, StepObservation, get_policy
-from ..policies.hidden import HiddenStatePolicy
+from ..policies import Policy, get_policy
 from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
 from .model import GGUFModel
+from .sequence import SequenceCache
 
 # Policies that read only hidden states or positions; the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full")
@@ -70,7 +70,57 @@ def default_threads() -> int:
     return max(1, n // 2)
 
 
-class LlamaDecoder:
+def checked_policy(gm: GGUFModel, policy: str | Policy, budget: int | None, tau: int | None,
+                   **policy_settings) -> tuple[Policy, list[int]]:
+    """The policy and the blocks it reads, refused in one line where llama.cpp or this model cannot run it."""
+    pol = get_policy(policy, tau=tau, **policy_settings)
+    check_policy(pol, gm.depth)
+    if pol.evicts:
+        gm.check_evictable()
+        if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise EpiKVError(f"budget must be a positive integer, got {budget!r}")
+        if pol.recent_window(budget) < 1:
+            raise EpiKVError("--engine llama.cpp keeps at least the newest token (its next token must follow the "
+                             "sequence's highest position): the recent window must be >= 1")
+    blocks = sorted(pol.observes(gm.depth).hidden_layers)
+    check_layers(blocks, gm.n_layers)
+    return pol, blocks
+
+
+def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:
+    """Whether every token must be a logits row: the last block keeps only the output rows otherwise."""
+    return bool(blocks) and blocks[-1] == gm.n_layers - 1
+
+
+def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int,
+                 capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None):
+    """A llama.cpp context with one unified KV stream of n_ctx cells (freed cells serve any sequence, and a
+    micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` wired into
+    its eval callback. Returns (ctx, capture or None); keep the capture alive as long as the context."""
+    ll = lib.load().ll
+    if type_kv not in KV_TYPES:
+        raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
+    cap = BlockCapture(blocks, gm.n_embd, n_batch, capture) if blocks else None
+    cp = ll.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = cp.n_ubatch = n_batch  # one micro-batch a decode: rows in batch order
+    cp.n_seq_max = n_seq_max
+    cp.kv_unified = True
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.type_k = cp.type_v = KV_TYPES[type_kv]
+    cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
+                          ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.no_perf = True
+    if cap is not None:
+        cp.cb_eval = cap.cb
+        cp.cb_eval_user_data = cap.user_data
+    ctx = ll.llama_init_from_model(gm.ptr, cp)
+    if not ctx:
+        raise EpiKVError(f"llama.cpp could not create a context of {n_ctx} cells for {gm.name}")
+    return ctx, cap
+
+
+class LlamaDecoder(SequenceCache):
     """One sequence in a llama.cpp context under a policy. `prefill(ids)` then `step(token)`; both return the next
     token's logits as a float32 array [n_vocab] (a copy).
 
@@ -83,113 +133,31 @@ class LlamaDecoder:
                  tau: int | None = None, *, max_tokens: int, threads: int | None = None, n_batch: int = 512,
                  n_ctx: int | None = None, n_seq_max: int = 1, capture: str = "auto", type_kv: str = "f16",
                  flash_attn: bool | None = None, **policy_settings) -> None:
-        L = lib.load()
-        ll = self._ll = L.ll
-        self.gm = gm
-        self.policy = get_policy(policy, tau=tau, **policy_settings)
-        depth = gm.depth
-        check_policy(self.policy, depth)
-        ev = self.policy.evicts
-        if ev:
-            gm.check_evictable()
-            if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                raise EpiKVError(f"budget must be a positive integer, got {budget!r}")
-        self.budget = budget if ev else None
-        self.tau = self.policy.tau
-        self.recent = self.policy.recent_window(budget) if ev else 0
-        if ev and self.recent < 1:
-            raise EpiKVError("--engine llama.cpp keeps at least the newest token (its next token must follow the "
-                             "sequence's highest position): the recent window must be >= 1")
-        if type_kv not in KV_TYPES:
-            raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
-        obs = self.policy.observes(depth)
-        self.blocks = sorted(obs.hidden_layers)
-        check_layers(self.blocks, gm.n_layers)
+        pol, blocks = checked_policy(gm, policy, budget, tau, **policy_settings)
+        ev = pol.evicts
         self.n_batch = max(1, min(n_batch, max_tokens))
-        self.all_outputs = bool(self.blocks) and self.blocks[-1] == gm.n_layers - 1  # the last block keeps only
-        # the output rows unless every token is an output
-        self.capture = BlockCapture(self.blocks, gm.n_embd, self.n_batch, capture) if self.blocks else None
         if n_ctx is None:
-            n_ctx = max_tokens if not ev else min(max_tokens, budget + self.tau - 1 + self.n_batch)
+            n_ctx = max_tokens if not ev else min(max_tokens, budget + pol.tau - 1 + self.n_batch)
+        self.ctx = None
+        self._ll = lib.load().ll
         self.threads = threads or default_threads()
-        cp = ll.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = cp.n_ubatch = self.n_batch  # one micro-batch a feed: rows in batch order
-        cp.n_seq_max = n_seq_max
-        cp.kv_unified = True
-        cp.n_threads = cp.n_threads_batch = self.threads
-        cp.type_k = cp.type_v = KV_TYPES[type_kv]
-        cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
-                              ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cp.no_perf = True
-        if self.capture is not None:
-            cp.cb_eval = self.capture.cb
-            cp.cb_eval_user_data = self.capture.user_data
-        self.ctx = ll.llama_init_from_model(gm.ptr, cp)
-        if not self.ctx:
-            raise EpiKVError(f"llama.cpp could not create a context of {n_ctx} cells for {gm.name}")
+        self.ctx, self.capture = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=n_seq_max,
+                                              threads=self.threads, capture=capture, type_kv=type_kv,
+                                              flash_attn=flash_attn)
+        ll = lib.load().ll
+        self.all_outputs = all_outputs(gm, blocks)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
-        self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.n_vocab = gm.tokenizer.n_vocab
         self.type_kv = type_kv
-        self.seq = 0
-        self.token_data: dict[str, torch.Tensor] = {}  # [1, n] per cached token, chronological (the mirror)
-        self.state = None
-        self.seen = 0
-        self.evictions = 0
-        self.max_tokens = 0
-        self.n_prompt = self.n_protect = 0
-        self._len_after_evict = self._prefix = 0
-        self.on_evict: Callable[["LlamaDecoder", torch.Tensor], None] | None = None  # test hook: before seq_rm
-        self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
-        self._unscored = 0
-        self._n_protect_t = torch.zeros(1, dtype=torch.long)
-        # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
-        # any other policy is fed every step, as the torch engine does
-        self._score_every = max(1, self.recent) if isinstance(self.policy, HiddenStatePolicy) else 1
-
-    # -- the mirror ---------------------------------------------------------------------------------------------------
-    @property
-    def positions(self) -> torch.Tensor:
-        """True positions of the cached tokens, ascending [n] (the mirror)."""
-        p = self.token_data.get("pos")
-        return p[0] if p is not None else torch.zeros(0, dtype=torch.long)
-
-    def stored(self) -> int:
-        return int(self.positions.numel())
-
-    def cache_bounds(self) -> tuple[int, int]:
-        """(seq_pos_min, seq_pos_max) as llama.cpp reports them for this sequence."""
-        return (int(self._ll.llama_memory_seq_pos_min(self.mem, self.seq)),
-                int(self._ll.llama_memory_seq_pos_max(self.mem, self.seq)))
-
-    def _check_mirror(self) -> None:
-        pos = self.positions
-        want = (int(pos[0]), int(pos[-1])) if pos.numel() else (-1, -1)
-        got = self.cache_bounds()
-        if got != want:
-            raise EpiKVError(f"llama.cpp's cache holds positions {got[0]}..{got[1]} but epikv's mirror "
-                             f"{want[0]}..{want[1]}: the cache and the policy disagree")
+        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks)
 
     # -- feeding ------------------------------------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         ids = [int(t) for t in ids]
-        if not ids:
-            raise EpiKVError("empty prompt: at least one token is needed")
-        if self.seen:
-            raise EpiKVError("this decoder has already been fed a prompt")
-        p = len(ids)
-        self.n_prompt = p
-        self.n_protect = self.policy.protected(p)
-        self._n_protect_t = torch.tensor([self.n_protect])
-        why = self.policy.protected_overflow(self.budget, self.recent, p)
-        if why:
-            raise EpiKVError(why)
-        self.state = self.policy.init_state(1, self.gm.depth, torch.device("cpu"))
-        self._prefix = self._len_after_evict = self.n_protect
+        self.start(len(ids))
         logits = None
-        for s in range(0, p, self.n_batch):
+        for s in range(0, len(ids), self.n_batch):
             logits = self._feed(ids[s : s + self.n_batch])
         return logits
 
@@ -218,105 +186,8 @@ class LlamaDecoder:
                              f"({'no free KV cell' if rc == 1 else 'see llama.cpp log'})")
         out = ll.llama_get_logits_ith(self.ctx, t - 1)
         logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
-        pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
-        self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
-        if self.capture is not None:
-            self._rows.append({blk: r.copy() for blk, r in self.capture.rows(t).items()})  # [T, dim] each
-        self._unscored += t
-        self.seen += t
-        if self._unscored >= self._score_every:
-            self.flush()
-        n = self.stored()
-        if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict,
-                                                           n - self._prefix):
-            self.evict()
-        self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
+        self.record(t, self.capture.rows(t) if self.capture is not None else None)
         return logits
-
-    # -- scoring --------------------------------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Feed the policy every token not yet scored, in one on_tokens call (for the hidden-state policies a chunk
-        gives exactly what token-by-token calls give: tests/test_signals.py). Deferred up to the recent window: a
-        token's score is first read when it leaves the window, so scoring the newest tokens in chunks changes no
-        keep set and takes the policy's per-call overhead off most decode steps."""
-        u = self._unscored
-        if not u:
-            return
-        n = self.stored()
-        pos = self.token_data["pos"][:, n - u:]  # [1, u]
-        hidden = {}
-        if self._rows:
-            hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
-                      for blk in self.blocks}  # [1, u, dim]
-        stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
-        obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
-                              stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
-                              kv_heads=self.gm.n_head_kv)
-        new = self.policy.on_tokens(self.state, obs)
-        for key, x in new.items():
-            if key == "pos":
-                continue
-            if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
-                x = torch.cat([self.token_data[key], x], dim=-1)
-            self.token_data[key] = x
-        self._rows, self._unscored = [], 0
-
-    # -- eviction -----------------------------------------------------------------------------------------------------
-    def view(self) -> CacheView:
-        """The cache as the policy sees it; tokens not yet scored (all inside the protected recent window) carry
-        zeros, which select_keep never reads."""
-        data, u = self.token_data, self._unscored
-        if u:
-            data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
-                    for k, v in data.items()}
-        return CacheView(length=self.stored(), budget=self.budget, token_data=data,
-                         n_pad=torch.zeros(1, dtype=torch.long), n_protect=self._n_protect_t,
-                         recent=self.recent, keys=[], values=[], device=torch.device("cpu"))
-
-    def evict(self) -> torch.Tensor:
-        """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
-        if self._unscored and len(self.token_data) == 1:  # nothing scored yet: the policy's data keys are unknown
-            self.flush()
-        keep = self.policy.keep(self.state, self.view())[0]  # [m] sorted indices into the mirror
-        self.remove(keep)
-        return keep
-
-    def remove(self, keep: torch.Tensor) -> None:
-        """Keep exactly the mirror entries `keep` (sorted indices), removing every other token from llama.cpp's
-        cache in runs. Refused, before llama.cpp is called, when the newest token would go (or one not yet
-        scored: the recent window must hold them)."""
-        n = self.stored()
-        keep = torch.as_tensor(keep, dtype=torch.long)
-        gone = torch.ones(n, dtype=torch.bool)
-        gone[keep] = False
-        if bool(gone[-1]):
-            raise EpiKVError(f"refused: evicting the newest token (position {int(self.positions[-1])}) would break "
-                             "llama.cpp's sequence (the next token must follow its highest position)")
-        u = self._unscored
-        if u and bool(gone[n - u:].any()):
-            raise EpiKVError("refused: the keep set evicts a token the policy has not scored yet (inside the recent "
-                             "window)")
-        if self.on_evict is not None:
-            self.on_evict(self, keep)
-        pos = self.positions
-        idx = gone.nonzero().squeeze(-1).tolist()
-        # maximal runs of consecutive evicted mirror entries: the positions between two of them are not cached
-        runs, start = [], None
-        for a, i in enumerate(idx):
-            if start is None:
-                start = i
-            if a + 1 == len(idx) or idx[a + 1] != i + 1:
-                runs.append((int(pos[start]), int(pos[i]) + 1))
-                start = None
-        for p0, p1 in runs:
-            if not self._ll.llama_memory_seq_rm(self.mem, self.seq, p0, p1):
-                raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
-        scored = keep[: keep.numel() - u] if u else keep  # the unscored tail is all kept (checked above)
-        for key, x in self.token_data.items():
-            self.token_data[key] = x.index_select(-1, keep if key == "pos" else scored)
-        self.evictions += 1
-        self._len_after_evict = self.stored()
-        self._check_mirror()
 
     # -- lifetime -----------------------------------------------------------------------------------------------------
     def kv_bytes(self) -> int | None:

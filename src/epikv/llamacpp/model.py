@@ -71,6 +71,9 @@ class GGUFTokenizer:
             n = self._ll.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
         return list(arr[:n])
 
+    def __len__(self) -> int:
+        return self.n_vocab
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.encode(text, add_special_tokens)}
 

@@ -66,8 +66,8 @@ class Backend:
         raise NotImplementedError
 
     def gauges(self) -> dict:
-        """Numbers for /metrics, read now: pages_in_use, pages_free (cache pages or cells), and the running totals
-        evictions, evicted_tokens, preemptions."""
+        """Numbers for /metrics, read now: pages_in_use and pages_free (a paged cache) or cells_in_use and
+        cells_free (a cache of single cells), and the running totals evictions, evicted_tokens, preemptions."""
         raise NotImplementedError
 
     def stop(self) -> None:

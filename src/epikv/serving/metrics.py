@@ -6,7 +6,8 @@ Names follow the usual serving ones (vLLM / TGI style, prefixed `epikv_`):
 - epikv_prompt_tokens_total, epikv_generation_tokens_total
 - epikv_time_to_first_token_seconds, epikv_inter_token_latency_seconds, epikv_request_latency_seconds (histograms)
 - epikv_requests_waiting (admitted, no token yet), epikv_requests_running (generating)
-- epikv_cache_pages_in_use, epikv_cache_pages_free, epikv_evictions_total, epikv_evicted_tokens_total,
+- epikv_cache_pages_in_use, epikv_cache_pages_free (paged engine) or epikv_cache_cells_in_use,
+  epikv_cache_cells_free (llama.cpp), epikv_evictions_total, epikv_evicted_tokens_total,
   epikv_preemptions_total: read from the engine (`Backend.gauges`) when scraped
 """
 
@@ -61,9 +62,14 @@ class _EngineCollector:
             g = self.server.backend.gauges()
         except Exception:  # a scrape must never take the server down; the series are then absent
             return
-        yield GaugeMetricFamily("epikv_cache_pages_in_use", "KV cache pages (or cells) held by requests",
-                                value=g["pages_in_use"])
-        yield GaugeMetricFamily("epikv_cache_pages_free", "KV cache pages (or cells) free", value=g["pages_free"])
+        if "pages_in_use" in g:  # a paged engine (transformers)
+            yield GaugeMetricFamily("epikv_cache_pages_in_use", "KV cache pages held by requests",
+                                    value=g["pages_in_use"])
+            yield GaugeMetricFamily("epikv_cache_pages_free", "KV cache pages free", value=g["pages_free"])
+        if "cells_in_use" in g:  # an engine that evicts single cells (llama.cpp)
+            yield GaugeMetricFamily("epikv_cache_cells_in_use", "KV cache cells held by requests",
+                                    value=g["cells_in_use"])
+            yield GaugeMetricFamily("epikv_cache_cells_free", "KV cache cells free", value=g["cells_free"])
         yield CounterMetricFamily("epikv_evictions", "Evictions (one per request and eviction step)",
                                   value=g["evictions"])
         yield CounterMetricFamily("epikv_evicted_tokens", "Tokens evicted", value=g["evicted_tokens"])

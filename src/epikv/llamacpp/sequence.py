@@ -1,0 +1,198 @@
+"""One sequence's side of EPIKV inside llama.cpp, shared by the single-sequence decoder (engine.LlamaDecoder) and the
+server's continuous batching (serving.py): the mirror of the sequence's cached tokens (true position and per-token
+policy data, chronological), the policy fed the captured block outputs through its own `on_tokens`, its own `keep`,
+and eviction by removing runs of positions with `llama_memory_seq_rm`, checked against `seq_pos_min` / `seq_pos_max`.
+
+The caller owns the context and the decode; after each decode it hands this sequence its rows (`record`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import EpiKVError
+from ..policies import CacheView, Policy, StepObservation
+from ..policies.hidden import HiddenStatePolicy
+from .model import GGUFModel
+
+
+class SequenceCache:
+    """The mirror and the policy of sequence `seq` in the llama.cpp memory `mem` (policy already checked;
+    budget None for a policy that does not evict)."""
+
+    def _init_sequence(self, ll, mem, seq: int, gm: GGUFModel, policy: Policy, budget: int | None,
+                       blocks: list[int]) -> None:
+        self._ll, self.mem, self.seq, self.gm = ll, mem, seq, gm
+        self.policy = policy
+        self.budget = budget if policy.evicts else None
+        self.tau = policy.tau
+        self.recent = policy.recent_window(budget) if policy.evicts else 0
+        if policy.evicts and self.recent < 1:
+            raise EpiKVError("--engine llama.cpp keeps at least the newest token (its next token must follow the "
+                             "sequence's highest position): the recent window must be >= 1")
+        self.blocks = blocks
+        self.token_data: dict[str, torch.Tensor] = {}  # [1, n] per cached token, chronological (the mirror)
+        self.state = None
+        self.seen = 0
+        self.evictions = 0
+        self.evicted_tokens = 0
+        self.max_tokens = 0
+        self.n_prompt = self.n_protect = 0
+        self._len_after_evict = self._prefix = 0
+        self.on_evict: Callable[["SequenceCache", torch.Tensor], None] | None = None  # test hook: before seq_rm
+        self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
+        self._unscored = 0
+        self._n_protect_t = torch.zeros(1, dtype=torch.long)
+        # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
+        # any other policy is fed every step, as the torch engine does
+        self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
+
+    def start(self, n_prompt: int) -> None:
+        """A prompt of n_prompt tokens is about to be fed: protect its head, refuse what cannot fit the budget."""
+        if n_prompt < 1:
+            raise EpiKVError("empty prompt: at least one token is needed")
+        if self.seen:
+            raise EpiKVError("this sequence has already been fed a prompt")
+        self.n_prompt = n_prompt
+        self.n_protect = self.policy.protected(n_prompt)
+        self._n_protect_t = torch.tensor([self.n_protect])
+        why = self.policy.protected_overflow(self.budget, self.recent, n_prompt)
+        if why:
+            raise EpiKVError(why)
+        self.state = self.policy.init_state(1, self.gm.depth, torch.device("cpu"))
+        self._prefix = self._len_after_evict = self.n_protect
+
+    def record(self, t: int, rows: dict[int, np.ndarray] | None) -> None:
+        """The sequence's next t tokens (positions seen .. seen + t - 1) were decoded; rows: block -> [t, dim] of
+        their captured outputs (copied here). Scores when due and evicts when the policy says so."""
+        p0 = self.seen
+        pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
+        self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
+        if rows is not None:
+            self._rows.append({blk: r.copy() for blk, r in rows.items()})  # [T, dim] each
+        self._unscored += t
+        self.seen += t
+        if self._unscored >= self._score_every:
+            self.flush()
+        n = self.stored()
+        if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict,
+                                                           n - self._prefix):
+            self.evict()
+        self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
+
+    def drop(self) -> None:
+        """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
+        self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
+        self.token_data, self._rows, self._unscored = {}, [], 0
+
+    # -- the mirror ---------------------------------------------------------------------------------------------------
+    @property
+    def positions(self) -> torch.Tensor:
+        """True positions of the cached tokens, ascending [n] (the mirror)."""
+        p = self.token_data.get("pos")
+        return p[0] if p is not None else torch.zeros(0, dtype=torch.long)
+
+    def stored(self) -> int:
+        return int(self.positions.numel())
+
+    def cache_bounds(self) -> tuple[int, int]:
+        """(seq_pos_min, seq_pos_max) as llama.cpp reports them for this sequence."""
+        return (int(self._ll.llama_memory_seq_pos_min(self.mem, self.seq)),
+                int(self._ll.llama_memory_seq_pos_max(self.mem, self.seq)))
+
+    def _check_mirror(self) -> None:
+        pos = self.positions
+        want = (int(pos[0]), int(pos[-1])) if pos.numel() else (-1, -1)
+        got = self.cache_bounds()
+        if got != want:
+            raise EpiKVError(f"llama.cpp's cache holds positions {got[0]}..{got[1]} but epikv's mirror "
+                             f"{want[0]}..{want[1]}: the cache and the policy disagree")
+
+    # -- scoring --------------------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Feed the policy every token not yet scored, in one on_tokens call (for the hidden-state policies a chunk
+        gives exactly what token-by-token calls give: tests/test_signals.py). Deferred up to the recent window: a
+        token's score is first read when it leaves the window, so scoring the newest tokens in chunks changes no
+        keep set and takes the policy's per-call overhead off most decode steps."""
+        u = self._unscored
+        if not u:
+            return
+        n = self.stored()
+        pos = self.token_data["pos"][:, n - u:]  # [1, u]
+        hidden = {}
+        if self._rows:
+            hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
+                      for blk in self.blocks}  # [1, u, dim]
+        stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
+        obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
+                              stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
+                              kv_heads=self.gm.n_head_kv)
+        new = self.policy.on_tokens(self.state, obs)
+        for key, x in new.items():
+            if key == "pos":
+                continue
+            if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
+                x = torch.cat([self.token_data[key], x], dim=-1)
+            self.token_data[key] = x
+        self._rows, self._unscored = [], 0
+
+    # -- eviction -----------------------------------------------------------------------------------------------------
+    def view(self) -> CacheView:
+        """The cache as the policy sees it; tokens not yet scored (all inside the protected recent window) carry
+        zeros, which select_keep never reads."""
+        data, u = self.token_data, self._unscored
+        if u:
+            data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
+                    for k, v in data.items()}
+        return CacheView(length=self.stored(), budget=self.budget, token_data=data,
+                         n_pad=torch.zeros(1, dtype=torch.long), n_protect=self._n_protect_t,
+                         recent=self.recent, keys=[], values=[], device=torch.device("cpu"))
+
+    def evict(self) -> torch.Tensor:
+        """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
+        if self._unscored and len(self.token_data) == 1:  # nothing scored yet: the policy's data keys are unknown
+            self.flush()
+        keep = self.policy.keep(self.state, self.view())[0]  # [m] sorted indices into the mirror
+        self.remove(keep)
+        return keep
+
+    def remove(self, keep: torch.Tensor) -> None:
+        """Keep exactly the mirror entries `keep` (sorted indices), removing every other token from llama.cpp's
+        cache in runs. Refused, before llama.cpp is called, when the newest token would go (or one not yet
+        scored: the recent window must hold them)."""
+        n = self.stored()
+        keep = torch.as_tensor(keep, dtype=torch.long)
+        gone = torch.ones(n, dtype=torch.bool)
+        gone[keep] = False
+        if bool(gone[-1]):
+            raise EpiKVError(f"refused: evicting the newest token (position {int(self.positions[-1])}) would break "
+                             "llama.cpp's sequence (the next token must follow its highest position)")
+        u = self._unscored
+        if u and bool(gone[n - u:].any()):
+            raise EpiKVError("refused: the keep set evicts a token the policy has not scored yet (inside the recent "
+                             "window)")
+        if self.on_evict is not None:
+            self.on_evict(self, keep)
+        pos = self.positions
+        idx = gone.nonzero().squeeze(-1).tolist()
+        # maximal runs of consecutive evicted mirror entries: the positions between two of them are not cached
+        runs, start = [], None
+        for a, i in enumerate(idx):
+            if start is None:
+                start = i
+            if a + 1 == len(idx) or idx[a + 1] != i + 1:
+                runs.append((int(pos[start]), int(pos[i]) + 1))
+                start = None
+        self.evicted_tokens += len(idx)
+        for p0, p1 in runs:
+            if not self._ll.llama_memory_seq_rm(self.mem, self.seq, p0, p1):
+                raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
+        scored = keep[: keep.numel() - u] if u else keep  # the unscored tail is all kept (checked above)
+        for key, x in self.token_data.items():
+            self.token_data[key] = x.index_select(-1, keep if key == "pos" else scored)
+        self.evictions += 1
+        self._len_after_evict = self.stored()
+        self._check_mirror()

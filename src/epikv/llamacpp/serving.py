@@ -1,0 +1,368 @@
+"""`epikv serve --engine llama.cpp`: continuous batching over one llama.cpp context, each sequence's cache kept within
+the budget by removing single cells (LLAMACPP.md sections 2 and 3).
+
+- One thread owns the context (llama.cpp's context is not thread-safe); the app talks to it through queues
+  (`LlamaBackend`, the serving.backend.Backend interface).
+- One unified KV stream of `ctx` cells shared by up to `sequences` sequences: a cell one sequence frees serves any
+  other. A request is admitted (first come, first served) when its protected prompt and recency window fit the free
+  cells not yet promised to sequences still filling theirs (`full`, which never evicts: its prompt and max_tokens).
+- Each step is one `llama_decode` of one batch: the next token of every decoding sequence, then prompt chunks, at
+  most `max_batch_tokens` rows and never more than the free cells. With one unified stream and n_ubatch = the batch,
+  row i of a captured block output is batch token i (LLAMACPP.md section 1), so each sequence reads its own slice.
+- Each sequence is a SequenceCache (sequence.py, the single-sequence decoder's own code): its policy is fed its
+  rows, and it evicts, by runs of cells, between steps, never its newest token.
+- A finished, failed or cancelled sequence's cells are removed at once (`seq_rm(s, -1, -1)`). When the running
+  sequences' next tokens do not fit, the most recently admitted one is preempted: its cells are removed and it is
+  queued again at the front; on readmission its prompt is prefilled again and the tokens it had generated are fed
+  back one a step (not sampled, not sent again), so its cache is rebuilt as it was. Preemptions are counted.
+- Sampling per request with `epikv.engine.Sampler` (serving.sampling.RequestSampler), the sampler the llama.cpp
+  `generate` uses; greedy is the argmax.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import EpiKVError
+from ..serving.backend import Backend, Output
+from . import lib
+from .engine import all_outputs, checked_policy, default_threads, make_context
+from .model import GGUFModel
+from .sequence import SequenceCache
+
+
+class _Seq(SequenceCache):
+    def __init__(self, ll, mem, seq, gm, policy, budget, blocks) -> None:
+        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks)
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    sampler: object | None  # serving.sampling.RequestSampler; None: greedy
+    ignore_eos: bool
+    generated: list[int] = field(default_factory=list)
+    seq: _Seq | None = None
+    fed: int = 0  # tokens of prompt + generated fed into the cache
+
+    @property
+    def known(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+
+class LlamaBackend(Backend):
+    """The llama.cpp engine behind `epikv serve`: one context of `ctx` cells (llama.cpp may allocate more, rounded
+    up; only `ctx` are used), up to `sequences` sequences, `max_batch_tokens` rows a decode. spare_sequences:
+    sequence ids past `sequences` left to a caller (the tests build an oracle there from the engine thread)."""
+
+    sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
+    per_request_eos = True
+
+    def __init__(self, gm: GGUFModel, policy="epikv", budget: int | None = 1024, tau: int | None = None, *,
+                 ctx: int, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
+                 capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
+                 spare_sequences: int = 0, **policy_settings) -> None:
+        self.gm = gm
+        self.policy, self.blocks = checked_policy(gm, policy, budget, tau, **policy_settings)
+        ev = self.policy.evicts
+        self.budget = budget if ev else None
+        self.recent = self.policy.recent_window(budget) if ev else 0
+        if sequences < 1 or ctx < 1 or max_batch_tokens < 1:
+            raise EpiKVError("--ctx, --sequences and --max-batch-tokens must be positive integers")
+        if sequences > 256:
+            raise EpiKVError(f"--sequences {sequences}: a unified llama.cpp cache takes at most 256 sequences")
+        if max_batch_tokens < sequences:
+            raise EpiKVError(f"--max-batch-tokens {max_batch_tokens} is below --sequences {sequences}: every running "
+                             "sequence's next token goes into one batch")
+        if ev and ctx < budget + self.policy.tau:
+            raise EpiKVError(f"--ctx {ctx} cannot hold one sequence at its budget: {self.policy.name} grows to "
+                             f"budget + tau = {budget + self.policy.tau} cells before it evicts")
+        self.cells = ctx
+        self.sequences = sequences
+        self.max_batch = max_batch_tokens
+        self.threads = threads or default_threads()
+        self.type_kv = type_kv
+        self._ll = ll = lib.load().ll
+        self.ctx, self.capture = make_context(gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens,
+                                              n_seq_max=sequences + spare_sequences, threads=self.threads, capture=capture,
+                                              type_kv=type_kv, flash_attn=flash_attn)
+        self.n_ctx = int(ll.llama_n_ctx(self.ctx))
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(max_batch_tokens, 0, 1)
+        self.all_outputs = all_outputs(gm, self.blocks)
+        self.n_vocab = gm.tokenizer.n_vocab
+        self.eog = set(gm.tokenizer.eog_ids())
+        self._inbox: queue.Queue = queue.Queue()
+        self._out: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[_Req] = collections.deque()
+        self._running: list[_Req] = []  # in admission order
+        self._free_ids = list(range(sequences))
+        self._stop = threading.Event()
+        self.fatal: str | None = None
+        self.counters = dict(admitted=0, finished=0, failed=0, cancelled=0, preemptions=0, evictions=0,
+                             evicted_tokens=0, steps=0, batch_rows=0, max_running=0)
+        self._hold = False  # set by a preemption, cleared when a request ends
+        self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
+        self.trace: dict[str, list] | None = None  # test hook: request id -> the logits each token was drawn from
+        self.on_step = None  # test hook: called by the engine thread after each step with this backend
+        self._thread = threading.Thread(target=self._loop, name="epikv-llamacpp", daemon=True)
+        self._thread.start()
+
+    # -- the app's side (any thread) ---------------------------------------------------------------------------------
+    def submit(self, rid, input_ids, max_tokens, *, sampling, seed, ignore_eos) -> None:
+        if self._stop.is_set() or self.fatal:
+            raise RuntimeError("the server is shutting down" if self._stop.is_set() else self.fatal)
+        sampler = None
+        if sampling is not None and sampling.temperature > 0:
+            from ..serving.sampling import RequestSampler
+
+            sampler = RequestSampler(sampling, seed, input_ids, max_tokens, "cpu")
+        self._inbox.put(("submit", _Req(rid, [int(t) for t in input_ids], int(max_tokens), sampler, ignore_eos)))
+
+    def next_output(self, timeout: float) -> Output | None:
+        try:
+            return self._out.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def cancel(self, rid: str) -> None:
+        self._inbox.put(("cancel", rid))
+
+    def release(self, rid: str) -> None:
+        self._inbox.put(("cancel", rid))  # a no-op for a request already gone
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def need(self, r: _Req) -> int:
+        """Cells a request must find free to be admitted: its protected prompt and recency window under an evicting
+        policy (at most its whole length); a policy that never evicts reserves its whole length, prompt and
+        max_tokens, so it is never preempted."""
+        if self.policy.evicts:
+            return min(self.policy.protected(len(r.prompt)) + self.recent, r.known)
+        return len(r.prompt) + r.max_tokens
+
+    def prompt_refusal(self, n_prompt: int) -> str | None:
+        if self.policy.evicts:
+            why = self.policy.protected_overflow(self.budget, self.recent, n_prompt)
+            if why:
+                return why
+            need = self.policy.protected(n_prompt) + self.recent
+            if min(need, n_prompt) > self.cells:
+                return f"the prompt's protected tokens and recency window ({need}) exceed the {self.cells} cells"
+        elif n_prompt + 1 > self.cells:  # (the app refuses prompt + max_tokens beyond the cells: total_limit)
+            return f"prompt ({n_prompt} tokens) does not fit the {self.cells} cells of the cache"
+        return None
+
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        c["evictions"], c["evicted_tokens"] = self._totals()
+        c.update(engine="llama.cpp", cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
+                 sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
+                 budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
+                 running=len(self._running), waiting=len(self._waiting))
+        return c
+
+    def _totals(self) -> tuple[int, int]:
+        """Evictions and evicted tokens: those of ended sequences and of the running ones."""
+        live = [r.seq for r in list(self._running) if r.seq is not None]
+        return (self.counters["evictions"] + sum(s.evictions for s in live),
+                self.counters["evicted_tokens"] + sum(s.evicted_tokens for s in live))
+
+    def gauges(self) -> dict:
+        ev, toks = self._totals()
+        return {"cells_in_use": self._in_use, "cells_free": self.cells - self._in_use, "evictions": ev,
+                "evicted_tokens": toks, "preemptions": self.counters["preemptions"]}
+
+    def stop(self, block: bool = True, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout if block else 0)
+        if not self._thread.is_alive() and self.ctx:
+            self._ll.llama_batch_free(self.batch)
+            self._ll.llama_free(self.ctx)
+            self.ctx = None
+
+    # -- the engine thread ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._commands(block=not (self._running or self._waiting))
+                self._admit()
+                if self._running:
+                    self._step()
+                    if self.on_step is not None:
+                        self.on_step(self)
+        except Exception as e:  # the context is in an unknown state: fail every request, stay unhealthy
+            self.fatal = f"the llama.cpp engine stopped: {type(e).__name__}: {e}"
+        for r in list(self._running) + list(self._waiting):
+            self._out.put(Output(r.rid, list(r.generated), True, self.fatal or "the server is shutting down"))
+
+    def _commands(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, x = item
+            if kind == "submit":
+                self._waiting.append(x)
+            else:
+                self._cancel(x)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, rid: str) -> None:
+        for r in self._running:
+            if r.rid == rid:
+                self._end(r)
+                self._hold = False
+                self.counters["cancelled"] += 1
+                return
+        for r in self._waiting:
+            if r.rid == rid:
+                self._waiting.remove(r)
+                self.counters["cancelled"] += 1
+                return
+
+    def _held(self) -> int:
+        return sum(r.seq.stored() for r in self._running)
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_ids and not self._hold:
+            promised = sum(max(0, self.need(r) - r.seq.stored()) for r in self._running)
+            r = self._waiting[0]
+            if self.cells - self._held() - promised < self.need(r):
+                return
+            self._waiting.popleft()
+            r.seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks)
+            r.fed = 0
+            try:
+                r.seq.start(len(r.prompt))
+            except EpiKVError as e:
+                self._fail(r, str(e))
+                continue
+            self._running.append(r)
+            self.counters["admitted"] += 1
+            self.counters["max_running"] = max(self.counters["max_running"], len(self._running))
+
+    def _end(self, r: _Req) -> None:
+        """Free the request's cells and sequence id at once."""
+        if r.seq is not None:
+            self.counters["evictions"] += r.seq.evictions
+            self.counters["evicted_tokens"] += r.seq.evicted_tokens
+            r.seq.drop()
+            self._free_ids.append(r.seq.seq)
+            r.seq = None
+        if r in self._running:
+            self._running.remove(r)
+        self._in_use = self._held()
+
+    def _fail(self, r: _Req, why: str) -> None:
+        self._end(r)
+        self._hold = False
+        self.counters["failed"] += 1
+        self._out.put(Output(r.rid, list(r.generated), True, why))
+
+    def _preempt(self, r: _Req) -> None:
+        self._end(r)
+        self.counters["preemptions"] += 1
+        self._waiting.appendleft(r)
+        self._hold = True  # no admission until a request ends: readmitted at once, it would be preempted again
+
+    def _plan(self) -> list[tuple[_Req, list[int]]]:
+        """This step's rows: every decoding sequence's next token, then prompt chunks, within the free cells and
+        max_batch_tokens; preempts the most recently admitted sequence while the next tokens do not fit."""
+        while True:
+            free = self.cells - self._held()
+            decoding = [r for r in self._running if r.fed >= len(r.prompt)]
+            if len(decoding) <= free or len(self._running) == 1:
+                break
+            self._preempt(self._running[-1])
+        plan, rows = [], 0
+        for r in decoding:
+            if free < 1:
+                break
+            plan.append((r, [r.generated[r.fed - len(r.prompt)]]))
+            rows += 1
+            free -= 1
+        for r in self._running:
+            if r.fed < len(r.prompt):
+                t = min(len(r.prompt) - r.fed, self.max_batch - rows, free)
+                if t > 0:
+                    plan.append((r, r.prompt[r.fed: r.fed + t]))
+                    rows += t
+                    free -= t
+        if not plan:  # nothing fits: the most recent sequence makes room, or a lone one can never run
+            r = self._running[-1]
+            if len(self._running) == 1:
+                self._fail(r, f"the request does not fit the {self.cells} cells of the cache")
+            else:
+                self._preempt(r)
+        return plan
+
+    def _step(self) -> None:
+        plan = self._plan()
+        if not plan:
+            return
+        ll, b = self._ll, self.batch
+        j = 0
+        for r, toks in plan:
+            for i, tok in enumerate(toks):
+                b.token[j] = tok
+                b.pos[j] = r.seq.seen + i  # true positions: the sequence's next
+                b.n_seq_id[j] = 1
+                b.seq_id[j][0] = r.seq.seq
+                b.logits[j] = 1 if (self.all_outputs or i == len(toks) - 1) else 0
+                j += 1
+        b.n_tokens = j
+        if self.capture is not None:
+            self.capture.reset()
+        rc = ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            for r, _ in plan:
+                self._fail(r, f"llama_decode failed with status {rc}")
+            return
+        self.counters["steps"] += 1
+        self.counters["batch_rows"] += j
+        rows = self.capture.rows(j) if self.capture is not None else None  # block -> [j, dim], batch order
+        off = 0
+        for r, toks in plan:
+            t = len(toks)
+            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, off + t - 1), shape=(self.n_vocab,))
+            try:
+                r.seq.record(t, {blk: x[off: off + t] for blk, x in rows.items()} if rows is not None else None)
+            except EpiKVError as e:
+                self._fail(r, str(e))
+                off += t
+                continue
+            off += t
+            r.fed += t
+            if r.fed == r.known:  # its newest logits are the next token's: sample it
+                self._sample(r, logits)
+        self._in_use = self._held()
+
+    def _sample(self, r: _Req, logits: np.ndarray) -> None:
+        step = len(r.generated)
+        if self.trace is not None:
+            self.trace.setdefault(r.rid, []).append(logits.copy())
+        if r.sampler is None:
+            tok = int(np.argmax(logits))
+        else:
+            tok = r.sampler.choose(torch.from_numpy(logits.copy()), step)
+        r.generated.append(tok)
+        done = len(r.generated) >= r.max_tokens or (tok in self.eog and not r.ignore_eos)
+        if done:
+            self._end(r)
+            self._hold = False
+            self.counters["finished"] += 1
+        self._out.put(Output(r.rid, list(r.generated), done))
