@@ -62,9 +62,13 @@ class TorchEngine:
 class LlamaCppEngine:
     name = "llama.cpp"
 
-    def __init__(self, args) -> None:
+    @staticmethod
+    def refuse_torch_options(args) -> None:
         refuse_engine_options(args, _TORCH_ONLY, "torch engine options; --engine llama.cpp runs on the CPU with the "
                                                   "GGUF's own weights (threads: --threads)")
+
+    def __init__(self, args) -> None:
+        self.refuse_torch_options(args)
         import torch
 
         from ..llamacpp import load_gguf
