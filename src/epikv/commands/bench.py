@@ -267,7 +267,7 @@ def run_speed(args) -> int:
 
     from ..bench.memory import Journal, run_long
     from ..bench.plots import plot_speed
-    from ..bench.speed import build_configs, default_policies, run_budget
+    from ..bench.speed import build_configs, default_policies
 
     taus = [args.tau] if args.tau else args.taus
     llama = args.engine == "llama.cpp"
@@ -299,21 +299,10 @@ def run_speed(args) -> int:
     jr = Journal(args.out + ".jsonl" if args.out else None)  # finished budgets survive a killed run
     hb = _heartbeat("bench speed", "steps (rounds, long checkpoints)")
     try:
-        blocks = []
-        for k in args.budgets:
-            hf = "full" in names and not args.no_transformers
-            key = json.dumps(["speed", args.model, device, dtype, k, [c.label for c in configs] + (["transformers"] if hf else []),
-                              args.gen_tokens, args.round_steps, args.prompt_tokens, args.seed])
-            if key in jr.done:
-                print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
-                blocks.append(jr.done[key]["block"])
-                continue
-            block = run_budget(lm.model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens,
-                               seed=args.seed, on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"),
-                               transformers_reference=hf)
-            jr.add({"key": key, "block": block})
-            blocks.append(block)
-            _print_block(block)
+        hf = "full" in names and not args.no_transformers
+        blocks = _budget_blocks(lm.model, configs, args, jr, hb, lambda k: [
+            "speed", args.model, device, dtype, k, [c.label for c in configs] + (["transformers"] if hf else []),
+            args.gen_tokens, args.round_steps, args.prompt_tokens, args.seed], transformers_reference=hf)
         long = []
         if not args.no_long:
             kl = args.long_budget or args.budgets[0]
@@ -331,12 +320,30 @@ def run_speed(args) -> int:
     return 0
 
 
+def _budget_blocks(model, configs, args, jr, hb, key_of, **kw) -> list[dict]:
+    """bench speed's block per budget, taken from the journal when its key (key_of(K)) finished before."""
+    from ..bench.speed import run_budget
+
+    blocks = []
+    for k in args.budgets:
+        key = json.dumps(key_of(k))
+        if key in jr.done:
+            print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
+            blocks.append(jr.done[key]["block"])
+            continue
+        block = run_budget(model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens, seed=args.seed,
+                           on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"), **kw)
+        jr.add({"key": key, "block": block})
+        blocks.append(block)
+        _print_block(block)
+    return blocks
+
+
 def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
     """bench speed through the llama.cpp engine: the same rounds, ratios, long checkpoints and JSON (with "engine",
     and each row's context cells and KV bytes); policies llama.cpp cannot run are refused by name before any work."""
     from ..bench.memory import Journal
     from ..bench.plots import plot_speed
-    from ..bench.speed import run_budget
     from ..llamacpp import check_policy, load_gguf
     from ..llamacpp.engine import default_threads
     from ..llamacpp.speed import LlamaCppSpeed, long_generation
@@ -359,19 +366,9 @@ def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
     jr = Journal(args.out + ".jsonl" if args.out else None)  # finished budgets survive a killed run
     hb = _heartbeat("bench speed", "steps (rounds, long checkpoints)")
     try:
-        blocks = []
-        for k in args.budgets:
-            key = json.dumps(["speed", "llama.cpp", args.model, args.threads, k, [c.label for c in configs],
-                              args.gen_tokens, args.round_steps, args.prompt_tokens, args.seed])
-            if key in jr.done:
-                print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
-                blocks.append(jr.done[key]["block"])
-                continue
-            block = run_budget(eng, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens,
-                               seed=args.seed, on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"))
-            jr.add({"key": key, "block": block})
-            blocks.append(block)
-            _print_block(block)
+        blocks = _budget_blocks(eng, configs, args, jr, hb, lambda k: [
+            "speed", "llama.cpp", args.model, args.threads, k, [c.label for c in configs], args.gen_tokens,
+            args.round_steps, args.prompt_tokens, args.seed])
         long = []
         if not args.no_long:
             kl = args.long_budget or args.budgets[0]
@@ -414,8 +411,9 @@ def _check_context(model, prompt_tokens: int, generated: int) -> None:
 def _fmt_point(p: dict) -> str:
     if p.get("status", "ok") != "ok":
         return f"{p['status']} {p.get('error', '')}"
+    peak = f"peak {p['peak_gib']:.3f} GiB, " if "peak_gib" in p else ""  # llama.cpp's in-process runs have none
     return (f"{p['generated']} tokens, {p['segment_tokens_per_s']:.1f} tok/s, cache {p['cache_length']}, "
-            f"peak {p.get('peak_gib', float('nan')):.3f} GiB, KV buffers allocated "
+            f"{peak}KV buffers allocated "
             f"{p.get('kv_buffer_mib', float('nan')):.2f} MiB")  # the measure and name of the plot's KV panel
 
 
