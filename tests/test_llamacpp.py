@@ -211,10 +211,18 @@ def test_keep_sets_equal_the_policy_fed_the_captured_states(gm, prompt_ids):
     keep set written out here (protected prompt, recent window, top scores, ties to the newer token) must equal the
     engine's at every eviction."""
     from epikv.llamacpp import LlamaDecoder
-    from epikv.policies import get_policy
 
     K = 128
     dec = LlamaDecoder(gm, "epikv", K, max_tokens=len(prompt_ids) + 500, threads=1)
+    feeds, keeps = recording_decoder(dec)
+    _run(dec, prompt_ids, 500)
+    assert len(keeps) > 400
+    assert_epikv_keeps(feeds, keeps, len(prompt_ids), K, gm.depth)
+
+
+def recording_decoder(dec):
+    """Record a decoder's captured rows per feed and its keep sets (tokens seen, kept positions) per eviction;
+    returns (feeds, keeps), filled as it runs."""
     feeds, keeps = [], []
     rows = dec.capture.rows
 
@@ -225,14 +233,17 @@ def test_keep_sets_equal_the_policy_fed_the_captured_states(gm, prompt_ids):
 
     dec.capture.rows = recording
     dec.on_evict = lambda d, keep: keeps.append((d.seen, d.positions[keep].tolist()))
-    _run(dec, prompt_ids, 500)
-    assert len(keeps) > 400
+    return feeds, keeps
+
+
+def assert_epikv_keeps(feeds, keeps, p, K, depth, tau=1):
+    """The captured block outputs fed afresh, token by token, to epikv's on_tokens, and its keep set written out
+    here (protected prompt of p, recent window, top scores, ties to the newer token; evicting once the cache holds
+    more than K + tau - 1) must equal every keep set the engine applied."""
+    from epikv.policies import StepObservation, get_policy
 
     pol = get_policy("epikv")
-    state = pol.init_state(1, gm.depth, torch.device("cpu"))
-    from epikv.policies import StepObservation
-
-    p = len(prompt_ids)
+    state = pol.init_state(1, depth, torch.device("cpu"))
     pos, score, seen, i = [], [], 0, 0
     recent = min(128, K // 4)
     for hidden in feeds:
@@ -245,7 +256,7 @@ def test_keep_sets_equal_the_policy_fed_the_captured_states(gm, prompt_ids):
             score += pol.on_tokens(state, obs)["score"][0].tolist()
             pos.append(seen)
             seen += 1
-        if len(pos) > K:
+        if len(pos) > K + tau - 1:
             middle = sorted(range(p, len(pos) - recent), key=lambda j: (score[j], j), reverse=True)
             kept = sorted(list(range(p)) + middle[: K - p - recent] + list(range(len(pos) - recent, len(pos))))
             assert keeps[i] == (seen, [pos[j] for j in kept]), f"eviction {i} at {seen} tokens"

@@ -59,7 +59,7 @@ def build_configs(policies: list[str], taus: list[int], settings: Callable[[str]
 
 def random_ids(model, n: int, seed: int) -> torch.Tensor:
     """[1, n] token ids drawn uniformly (no special-token region), the same for every configuration."""
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = getattr(model, "n_vocab", None) or model.get_input_embeddings().num_embeddings  # another engine: its own
     g = torch.Generator().manual_seed(seed)
     return torch.randint(min(100, vocab // 2), vocab, (1, n), generator=g)
 
@@ -107,12 +107,16 @@ class _Run:
         self.lengths.append(self.dec.cache.stored_length())
 
     def summary(self) -> dict:
-        med = statistics.median(self.times)
-        return {"label": self.cfg.label, "policy": self.cfg.policy, "tau": self.cfg.tau,
-                "attention_free": self.policy.attention_free, "evicts": self.policy.evicts,
-                "ms_per_token": med * 1e3, "tokens_per_s": 1.0 / med,
-                "round_ms_per_token": [t * 1e3 for t in self.times], "cache_length_after_round": self.lengths,
-                "evictions": self.dec.cache.evictions}
+        return config_summary(self.cfg, self.policy, self.times, self.lengths, self.dec.cache.evictions)
+
+
+def config_summary(cfg: SpeedConfig, policy: Policy, times: list[float], lengths: list[int], evictions: int) -> dict:
+    """One configuration's row: the median over rounds of seconds per token, and each round's figures."""
+    med = statistics.median(times)
+    return {"label": cfg.label, "policy": cfg.policy, "tau": cfg.tau, "attention_free": policy.attention_free,
+            "evicts": policy.evicts, "ms_per_token": med * 1e3, "tokens_per_s": 1.0 / med,
+            "round_ms_per_token": [t * 1e3 for t in times], "cache_length_after_round": lengths,
+            "evictions": evictions}
 
 
 HF = "transformers"  # the label of the second reference: transformers' model.generate with its DynamicCache
@@ -172,11 +176,14 @@ def run_budget(model, configs: list[SpeedConfig], budget: int, gen_tokens: int, 
     ids = random_ids(model, budget + gen_tokens, seed)
     prompt = ids[:, :prompt_tokens]
     runs = []
+    # another engine (epikv.llamacpp.speed) brings its own run of a configuration, with _Run's interface
+    make = getattr(model, "speed_run", None)
     with torch.inference_mode():
         for cfg in configs:
             evicts = REGISTRY[cfg.policy].evicts
             fill_to = budget if evicts else max(prompt_tokens, budget - gen_tokens // 2)
-            runs.append(_Run(model, cfg, budget, fill_to, prompt, ids, fill_chunk))
+            runs.append(_Run(model, cfg, budget, fill_to, prompt, ids, fill_chunk) if make is None else
+                        make(cfg, budget, fill_to, prompt, ids, fill_chunk, fill_to + gen_tokens + round_steps))
         if transformers_reference:  # at full's cache length
             runs.append(_HFRun(model, max(prompt_tokens, budget - gen_tokens // 2), ids))
         # warm-up round (not recorded): first-call allocations, kernel selection, caches

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
+from .engines import add_engine_args
 from .common import (add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, nonneg_int, out_dir,
                      out_file, positive_int, settings_by_policy, top_p_float)
 
@@ -39,7 +40,7 @@ def register(sub) -> None:
                    help="leave out the second reference, transformers' model.generate with a DynamicCache at full's "
                         "cache length (timed in the same rounds; on by default when full is benchmarked)")
     s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB; default 6)")
-    s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    add_engine_args(s, threads_help="CPU threads (llama.cpp's threads, or torch.set_num_threads)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
@@ -81,6 +82,8 @@ def register(sub) -> None:
     t.add_argument("--ladder-full-set", action="store_true",
                    help="run the whole request set at the smaller batch sizes too (default: their first batch)")
     t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    t.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch only: llama.cpp decodes one sequence, so there is no batch to fit under the cap")
     t.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
     t.set_defaults(run=run_throughput, policies=["full", "epikv"], budgets=[1024])
@@ -254,23 +257,39 @@ def _device_of(model) -> str:
     return str(model.get_input_embeddings().weight.device)
 
 
+# bench speed's options that only the torch engine reads (name -> default): the transformers reference and the
+# memory cap of the long runs' child processes (llama.cpp's long runs are in this process)
+_SPEED_TORCH_ONLY = {"no_transformers": False, "cap_gib": 6.0}
+
+
 def run_speed(args) -> int:
     import torch
 
     from ..bench.memory import Journal, run_long
     from ..bench.plots import plot_speed
-    from ..bench.speed import build_configs, default_policies, run_budget
+    from ..bench.speed import build_configs, default_policies
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     taus = [args.tau] if args.tau else args.taus
-    names = args.policies or default_policies()
+    llama = args.engine == "llama.cpp"
+    if llama:
+        from ..llamacpp import SUPPORTED
+        from .engines import refuse_engine_options
+
+        refuse_engine_options(args, _SPEED_TORCH_ONLY, "torch engine options; --engine llama.cpp has no transformers "
+                                                       "reference and runs its long generations in this process")
+        names = args.policies or [n for n in default_policies() if n in SUPPORTED]
+    else:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        names = args.policies or default_policies()
     # every name checked (and --set matched) before any model is loaded
     settings = settings_by_policy(args, list(dict.fromkeys(names + ([] if args.no_long else args.long_policies))))
     configs = build_configs(names, taus, settings.__getitem__)
     if args.gen_tokens < (args.round_steps or max(taus)):
         raise EpiKVError(f"--gen-tokens {args.gen_tokens} is shorter than one round "
                          f"({args.round_steps or max(taus)} steps); raise it or set --round-steps")
+    if llama:
+        return _run_speed_llamacpp(args, names, taus, configs, settings)
     lm = load(args)
     if not args.no_long:
         _check_context(lm.model, args.prompt_tokens, max(args.long_lengths))
@@ -280,21 +299,10 @@ def run_speed(args) -> int:
     jr = Journal(args.out + ".jsonl" if args.out else None)  # finished budgets survive a killed run
     hb = _heartbeat("bench speed", "steps (rounds, long checkpoints)")
     try:
-        blocks = []
-        for k in args.budgets:
-            hf = "full" in names and not args.no_transformers
-            key = json.dumps(["speed", args.model, device, dtype, k, [c.label for c in configs] + (["transformers"] if hf else []),
-                              args.gen_tokens, args.round_steps, args.prompt_tokens, args.seed])
-            if key in jr.done:
-                print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
-                blocks.append(jr.done[key]["block"])
-                continue
-            block = run_budget(lm.model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens,
-                               seed=args.seed, on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"),
-                               transformers_reference=hf)
-            jr.add({"key": key, "block": block})
-            blocks.append(block)
-            _print_block(block)
+        hf = "full" in names and not args.no_transformers
+        blocks = _budget_blocks(lm.model, configs, args, jr, hb, lambda k: [
+            "speed", args.model, device, dtype, k, [c.label for c in configs] + (["transformers"] if hf else []),
+            args.gen_tokens, args.round_steps, args.prompt_tokens, args.seed], transformers_reference=hf)
         long = []
         if not args.no_long:
             kl = args.long_budget or args.budgets[0]
@@ -305,7 +313,73 @@ def run_speed(args) -> int:
                             on_point=lambda p: _tick(hb, f"long {p.get('policy')}: {_fmt_point(p)}"))
     finally:
         hb.close()
-    result = {"kind": "speed", "model": args.model, "device": device, "dtype": dtype, "budgets": blocks,
+    result = {"kind": "speed", "engine": "torch", "model": args.model, "device": device, "dtype": dtype, "budgets": blocks,
+              "long_budget": None if args.no_long else (args.long_budget or args.budgets[0]), "long": long,
+              "environment": {"start": env_start, "end_loadavg": list(os.getloadavg())}, "settings": _settings(args)}
+    _write(result, args.out, plot_speed)
+    return 0
+
+
+def _budget_blocks(model, configs, args, jr, hb, key_of, **kw) -> list[dict]:
+    """bench speed's block per budget, taken from the journal when its key (key_of(K)) finished before."""
+    from ..bench.speed import run_budget
+
+    blocks = []
+    for k in args.budgets:
+        key = json.dumps(key_of(k))
+        if key in jr.done:
+            print(f"K={k}: reusing the finished record in {jr.path}", file=sys.stderr)
+            blocks.append(jr.done[key]["block"])
+            continue
+        block = run_budget(model, configs, k, args.gen_tokens, args.round_steps, args.prompt_tokens, seed=args.seed,
+                           on_round=lambda i, n: _tick(hb, f"K={k}: round {i}/{n}"), **kw)
+        jr.add({"key": key, "block": block})
+        blocks.append(block)
+        _print_block(block)
+    return blocks
+
+
+def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
+    """bench speed through the llama.cpp engine: the same rounds, ratios, long checkpoints and JSON (with "engine",
+    and each row's context cells and KV bytes); policies llama.cpp cannot run are refused by name before any work."""
+    from ..bench.memory import Journal
+    from ..bench.plots import plot_speed
+    from ..llamacpp import check_policy, load_gguf
+    from ..llamacpp.engine import default_threads
+    from ..llamacpp.speed import LlamaCppSpeed, long_generation
+    from .engines import LlamaCppEngine
+
+    LlamaCppEngine.refuse_torch_options(args)
+    gm = load_gguf(args.model)
+    for c in configs:
+        check_policy(c.make(), gm.depth)
+    if not args.no_long:
+        from ..policies import get_policy
+
+        for name in args.long_policies:
+            check_policy(get_policy(name, tau=taus[0], **settings[name]), gm.depth)
+        if gm.n_ctx_train and args.prompt_tokens + max(args.long_lengths) > gm.n_ctx_train:
+            raise EpiKVError(f"--prompt-tokens {args.prompt_tokens} + {max(args.long_lengths)} generated tokens "
+                             f"exceeds the model's context limit of {gm.n_ctx_train} positions")
+    eng = LlamaCppSpeed(gm, threads=args.threads)
+    env_start = _environment()
+    jr = Journal(args.out + ".jsonl" if args.out else None)  # finished budgets survive a killed run
+    hb = _heartbeat("bench speed", "steps (rounds, long checkpoints)")
+    try:
+        blocks = _budget_blocks(eng, configs, args, jr, hb, lambda k: [
+            "speed", "llama.cpp", args.model, args.threads, k, [c.label for c in configs], args.gen_tokens,
+            args.round_steps, args.prompt_tokens, args.seed])
+        long = []
+        if not args.no_long:
+            kl = args.long_budget or args.budgets[0]
+            for name in args.long_policies:
+                long += long_generation(eng, name, kl, args.long_lengths, tau=taus[0], prompt_tokens=args.prompt_tokens,
+                                        seed=args.seed, settings=settings[name],
+                                        on_point=lambda p: _tick(hb, f"long {p['policy']}: {_fmt_point(p)}"))
+    finally:
+        hb.close()
+    result = {"kind": "speed", "engine": "llama.cpp", "model": args.model, "device": "cpu", "dtype": "gguf",
+              "threads": args.threads or default_threads(), "budgets": blocks,
               "long_budget": None if args.no_long else (args.long_budget or args.budgets[0]), "long": long,
               "environment": {"start": env_start, "end_loadavg": list(os.getloadavg())}, "settings": _settings(args)}
     _write(result, args.out, plot_speed)
@@ -337,8 +411,9 @@ def _check_context(model, prompt_tokens: int, generated: int) -> None:
 def _fmt_point(p: dict) -> str:
     if p.get("status", "ok") != "ok":
         return f"{p['status']} {p.get('error', '')}"
+    peak = f"peak {p['peak_gib']:.3f} GiB, " if "peak_gib" in p else ""  # llama.cpp's in-process runs have none
     return (f"{p['generated']} tokens, {p['segment_tokens_per_s']:.1f} tok/s, cache {p['cache_length']}, "
-            f"peak {p.get('peak_gib', float('nan')):.3f} GiB, KV buffers allocated "
+            f"{peak}KV buffers allocated "
             f"{p.get('kv_buffer_mib', float('nan')):.2f} MiB")  # the measure and name of the plot's KV panel
 
 
@@ -386,6 +461,9 @@ def _fmt_mem(p: dict) -> str:
 
 
 def run_throughput(args) -> int:
+    if args.engine == "llama.cpp":
+        raise EpiKVError("bench throughput --engine llama.cpp: the llama.cpp engine decodes one sequence, so there is "
+                         "no batch to fit under --cap-mib (bench speed --engine llama.cpp times it)")
     import torch
 
     from ..bench.memory import Journal

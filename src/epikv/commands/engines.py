@@ -4,9 +4,33 @@ blocks a policy reads on the model, and generate(). Options only one engine read
 from __future__ import annotations
 
 from ..errors import EpiKVError
+from .common import positive_int
 
 # options of add_model_args / generate that only the torch engine reads, with their defaults
 _TORCH_ONLY = {"device": None, "device_map": None, "dtype": None, "attn": None, "prefill_chunk": None}
+
+
+def add_engine_args(p, threads_help: str | None = None) -> None:
+    """--engine and --threads, the same on every command that takes them."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch (transformers, default) or llama.cpp (a GGUF: --model smollm2 or a local .gguf file)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help=threads_help or "CPU threads (llama.cpp's threads, or torch.set_num_threads; default: every "
+                                        "core available)")
+
+
+def make_engine(args):
+    """The engine --engine names, loaded (torch-only options refused on llama.cpp before anything loads)."""
+    return LlamaCppEngine(args) if args.engine == "llama.cpp" else TorchEngine(args)
+
+
+def refuse_engine_options(args, options: dict, why: str) -> None:
+    """Refuse, in one line, the options in `options` (name -> default) given a value other than their default."""
+    given = [k for k, default in options.items() if getattr(args, k, default) != default]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise EpiKVError(f"{flags}: {why}")
 
 
 class TorchEngine:
@@ -38,12 +62,13 @@ class TorchEngine:
 class LlamaCppEngine:
     name = "llama.cpp"
 
+    @staticmethod
+    def refuse_torch_options(args) -> None:
+        refuse_engine_options(args, _TORCH_ONLY, "torch engine options; --engine llama.cpp runs on the CPU with the "
+                                                  "GGUF's own weights (threads: --threads)")
+
     def __init__(self, args) -> None:
-        given = [k for k, default in _TORCH_ONLY.items() if getattr(args, k, default) != default]
-        if given:
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise EpiKVError(f"{flags}: torch engine options; --engine llama.cpp runs on the CPU with the GGUF's own "
-                             "weights (threads: --threads)")
+        self.refuse_torch_options(args)
         import torch
 
         from ..llamacpp import load_gguf

@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..errors import EpiKVError
+from .engines import add_engine_args, make_engine
 from .common import (add_model_args, add_policy_args, nonneg_float, nonneg_int, positive_int, read_text,
                      settings_by_policy)
 
@@ -36,11 +37,7 @@ def register(sub) -> None:
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="run a --budget larger than the model's trained context (refused otherwise)")
     add_model_args(p)
-    g = p.add_argument_group("engine")
-    g.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                   help="torch (transformers, default) or llama.cpp (a GGUF: --model smollm2 or a local .gguf file)")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads (llama.cpp's threads, or torch.set_num_threads; default: every core available)")
+    add_engine_args(p)
     add_policy_args(p)
     p.set_defaults(run=run)
 
@@ -68,14 +65,7 @@ def run(args) -> int:
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     settings = settings_by_policy(args, [args.policy])[args.policy]
-    if args.engine == "llama.cpp":
-        from .engines import LlamaCppEngine
-
-        eng = LlamaCppEngine(args)
-    else:
-        from .engines import TorchEngine
-
-        eng = TorchEngine(args)
+    eng = make_engine(args)
     # the chat template by default, as transformers' chat tools do: an instruct model fed raw text often ends at once
     chat = not args.raw and bool(getattr(eng.tokenizer, "chat_template", None))
     if not chat and not args.raw and (args.chat or args.system is not None):

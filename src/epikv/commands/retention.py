@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, nonneg_int, out_dir, positive_int, settings_by_policy
+from .engines import add_engine_args, make_engine
+from .common import add_model_args, add_policy_args, nonneg_int, out_dir, positive_int, settings_by_policy
 
 
 def register(sub) -> None:
@@ -34,6 +35,7 @@ def register(sub) -> None:
                         "the tokens per CPU-second at N = 4 on the embedded model (measured 1.69x; default 1: one at "
                         "a time)")
     add_model_args(p)
+    add_engine_args(p)
     add_policy_args(p, multi=True)
     p._option_string_actions["--tau"].help = "eviction interval: tokens per chunk fed between evictions (default 16)"
     p._option_string_actions["--policies"].help = (
@@ -58,8 +60,14 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise EpiKVError(f"--out {out} exists and is not a folder")
-    lm = load(args)
-    summary = run_retention(lm.model, lm.tokenizer, rows, out, args.policies, args.budgets, tau=args.tau,
+    eng = make_engine(args)
+    if eng.name == "llama.cpp":
+        from ..llamacpp.retention import LlamaCppTraces
+
+        model = LlamaCppTraces(eng.gm, threads=args.threads)
+    else:
+        model = eng.lm.model
+    summary = run_retention(model, eng.tokenizer, rows, out, args.policies, args.budgets, tau=args.tau,
                             max_reasoning_tokens=args.max_reasoning_tokens, system=args.system,
                             max_answer_tokens=args.max_answer_tokens, model_name=args.model,
                             settings_for=settings.__getitem__, batch_traces=args.batch_traces)

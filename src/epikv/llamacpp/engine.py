@@ -164,7 +164,15 @@ class LlamaDecoder(SequenceCache):
     def step(self, token: int) -> np.ndarray:
         return self._feed([int(token)])
 
-    def _feed(self, toks: list[int]) -> np.ndarray:
+    def feed(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Feed several tokens as one micro-batch (evicting after it, as a step does); the last token's logits
+        [n_vocab], or every token's [T, n_vocab] with all_logits (teacher forcing: `epikv retention`)."""
+        ids = [int(t) for t in ids]
+        if not ids or len(ids) > self.n_batch:
+            raise EpiKVError(f"feed takes 1 to {self.n_batch} tokens (the micro-batch), got {len(ids)}")
+        return self._feed(ids, all_logits)
+
+    def _feed(self, toks: list[int], all_logits: bool = False) -> np.ndarray:
         ll, b = self._ll, self.batch
         t = len(toks)
         if self.stored() + t > self.n_ctx:
@@ -177,15 +185,18 @@ class LlamaDecoder(SequenceCache):
             b.pos[j] = p0 + j
             b.n_seq_id[j] = 1
             b.seq_id[j][0] = self.seq
-            b.logits[j] = 1 if (self.all_outputs or j == t - 1) else 0
+            b.logits[j] = 1 if (all_logits or self.all_outputs or j == t - 1) else 0
         if self.capture is not None:
             self.capture.reset()
         rc = ll.llama_decode(self.ctx, b)
         if rc != 0:
             raise EpiKVError(f"llama_decode failed with status {rc} at position {p0} "
                              f"({'no free KV cell' if rc == 1 else 'see llama.cpp log'})")
-        out = ll.llama_get_logits_ith(self.ctx, t - 1)
-        logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
+        if all_logits:  # every row is an output, in batch order
+            logits = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(t, self.n_vocab)).copy()
+        else:
+            out = ll.llama_get_logits_ith(self.ctx, t - 1)
+            logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
         self.record(t, self.capture.rows(t) if self.capture is not None else None)
         return logits
 

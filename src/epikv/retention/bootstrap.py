@@ -24,6 +24,11 @@ def policy_label(rec: dict, name_tau: bool = False) -> str:
     return rec["policy"] + ("[" + ", ".join(f"{k}={v}" for k, v in sorted(s.items())) + "]" if s else "") + at
 
 
+def engine(rec: dict) -> str:
+    """The engine a record came from (records before the llama.cpp engine carry none: torch)."""
+    return rec.get("engine") or "torch"
+
+
 def unique(records) -> list[dict]:
     """Retention records, one per (trace, label, budget), each with its row label in "label": the last one wins, so
     merging folders that share a trace counts it once. A policy found at several intervals (folders run at tau 16
@@ -33,6 +38,12 @@ def unique(records) -> list[dict]:
     with runs at their schedule however far each folder has got; a policy never run at it keeps its plain name at
     its own most common interval."""
     recs = [r for r in records if r.get("kind") == "retention"]
+    engines = sorted({engine(r) for r in recs})
+    if len(engines) > 1:  # a row of one engine paired with another's would compare engines, not policies
+        from ..errors import EpiKVError
+
+        raise EpiKVError(f"the retention records come from engines {' and '.join(engines)}: report each engine's "
+                         "folders on their own")
     taus: dict[str, dict] = defaultdict(lambda: defaultdict(int))
     for r in recs:
         taus[policy_label(r)][r.get("tau")] += 1

@@ -13,7 +13,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from .bootstrap import LOWER_IS_BETTER, aggregate, holm, paired
+from .bootstrap import LOWER_IS_BETTER, aggregate, engine, holm, paired
 
 PLOTS = {
     "answer_nll_increase": "answer NLL increase over full (nats/token)",
@@ -234,10 +234,10 @@ def render_retention(records, out_dir, reference: str | tuple[str, ...] = ("epik
     rows = aggregate(records)
     if not rows:
         return []
-    settings = sorted({(r.get("model"), r.get("tau"), r.get("max_reasoning_tokens"), r.get("max_answer_tokens"))
-                       for r in records}, key=str)  # one line per interval: labels name tau != 16
-    head = "; ".join(f"model {m}, tau {t}, reasoning cap {c or 'none'}, answer cap {a or 'none'}"
-                     for m, t, c, a in settings)
+    settings = sorted({(r.get("model"), engine(r), r.get("tau"), r.get("max_reasoning_tokens"),
+                        r.get("max_answer_tokens")) for r in records}, key=str)  # one line per interval
+    head = "; ".join(f"model {m}, engine {e}, tau {t}, reasoning cap {c or 'none'}, answer cap {a or 'none'}"
+                     for m, e, t, c, a in settings)
     md = out / "retention.md"
     md.write_text(f"# Retention\n\n{head}. Mean over traces with 95% percentile-bootstrap CIs over traces "
                   "(2000 resamples). Answer NLL increase: answer NLL (teacher-forced text after `</think>`) minus "

@@ -85,6 +85,8 @@ def prepare_traces(rows: Sequence[dict], tokenizer, max_reasoning_tokens: int | 
 def _stream(model, item: TraceItem, policy, budget: int | None, on_logits: Callable[[int, torch.Tensor], None]):
     """Prefill the prompt, then feed the rest in chunks of policy.tau; on_logits(j, logits [T, vocab]) gets the
     predictions of tokens P + j .. P + j + T - 1. Returns (forward seconds, cache stats, peak KV MiB)."""
+    if hasattr(model, "stream_trace"):  # another engine (epikv.llamacpp.retention): the same chunks, its own cache
+        return model.stream_trace(item, policy, budget, on_logits)
     ids = torch.tensor([item.ids])  # [1, N]
     p, n, tau = len(item.prompt_ids), ids.shape[1], policy.tau
     fwd = 0.0
@@ -302,14 +304,25 @@ def record_key(rec: dict) -> tuple:
     return (rec["trace_id"], rec["policy"], rec["budget"], json.dumps(rec.get("settings") or {}, sort_keys=True))
 
 
+def engine_of(model) -> str:
+    """The engine a model runs on: "torch" for a transformers model, else the adapter's own name."""
+    return getattr(model, "epikv_engine", "torch")
+
+
+# config keys older folders lack, with the value they meant (every folder before the llama.cpp engine is torch's)
+_CONFIG_DEFAULTS = {"engine": "torch"}
+
+
 def _check_config(out_dir: Path, config: dict) -> None:
-    """One results folder holds one setting (model, tau, cap, prompt); policies and budgets may be added later."""
+    """One results folder holds one setting (model, engine, tau, cap, prompt); policies and budgets may be added
+    later."""
     path = out_dir / "config.json"
     if path.exists():
         try:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             raise EpiKVError(f"{path} is malformed; move it away or use another --out") from None
+        old = {**_CONFIG_DEFAULTS, **old}
         diff = [k for k in config if old.get(k) != config[k]]
         if diff:
             raise EpiKVError(f"{out_dir} holds a run with different {', '.join(diff)} "
@@ -349,8 +362,13 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
         raise EpiKVError(f"tau must be a positive integer, got {tau!r}")
     if not isinstance(batch_traces, int) or isinstance(batch_traces, bool) or batch_traces < 1:
         raise EpiKVError(f"batch_traces must be a positive integer, got {batch_traces!r}")
+    engine = engine_of(model)
+    if engine != "torch" and batch_traces > 1:
+        raise EpiKVError(f"--batch-traces {batch_traces}: the {engine} engine streams one trace at a time")
     for spec in policies:
-        get_policy(_name(spec), tau=tau, **settings_for(spec))  # unknown names and bad settings fail before any work
+        pol = get_policy(_name(spec), tau=tau, **settings_for(spec))  # unknown names and bad settings fail first
+        if hasattr(model, "check"):  # what the engine cannot run is refused by name before any work
+            model.check(pol)
     items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
     if not items:  # before the results folder exists: nothing to leave behind
         why = {}
@@ -363,7 +381,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_config(out_dir, {"model": model_name, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
+    _check_config(out_dir, {"model": model_name, "engine": engine, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
                             "max_answer_tokens": max_answer_tokens, "system": system})
     store = Store(out_dir, "results.jsonl", lambda r: record_key(r) if r.get("kind") == KIND else None)
     results = store.path
@@ -441,7 +459,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                     for i, m in zip(rows, ms):
                         item = group[i]
                         base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau,
-                                "model": model_name, "max_reasoning_tokens": max_reasoning_tokens,
+                                "model": model_name, "engine": engine, "max_reasoning_tokens": max_reasoning_tokens,
                                 "max_answer_tokens": max_answer_tokens, "settings": s,
                                 "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
                                 "answer_tokens": len(item.answer_ids), **item.meta}

@@ -1,0 +1,54 @@
+"""The llama.cpp engine as `epikv retention` streams a trace through it: the runner's `_stream` (prefill the
+prompt, then chunks of tau tokens with every logit, evicting after each chunk) run by a LlamaDecoder, so the
+retention code measures, records and reports llama.cpp runs exactly as it does the torch engine's."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .engine import LlamaDecoder, check_policy
+from .model import GGUFModel
+
+
+class LlamaCppTraces:
+    """What epikv.retention.runner reads of a model: `device`, `epikv_engine` (recorded in every record and in the
+    folder's config) and `stream_trace` (its `_stream` through llama.cpp)."""
+
+    epikv_engine = "llama.cpp"
+    device = torch.device("cpu")
+
+    def __init__(self, gm: GGUFModel, threads: int | None = None, type_kv: str = "f16") -> None:
+        self.gm, self.threads, self.type_kv = gm, threads, type_kv
+        self.on_decoder: Callable[[LlamaDecoder], None] | None = None  # test hook: each run's decoder, before use
+
+    def check(self, policy) -> None:
+        check_policy(policy, self.gm.depth)
+
+    def stream_trace(self, item, policy, budget: int | None, on_logits: Callable[[int, torch.Tensor], None]):
+        """Returns (forward seconds, cache stats, peak KV MiB at the cache's own type) as the runner's _stream."""
+        ids = item.ids
+        p, n, tau = len(item.prompt_ids), len(ids), policy.tau
+        # a micro-batch holds a chunk of tau and up to 512 prompt tokens at once
+        dec = LlamaDecoder(self.gm, policy, budget, max_tokens=n, threads=self.threads, type_kv=self.type_kv,
+                           n_batch=max(tau, min(512, p)))
+        try:
+            if self.on_decoder is not None:
+                self.on_decoder(dec)
+            t0 = time.perf_counter()
+            last = dec.prefill(ids[:p])  # [vocab], predicts token P
+            fwd = time.perf_counter() - t0
+            on_logits(0, torch.from_numpy(last)[None])
+            for s in range(p, n - 1, tau):  # the last token predicts nothing scored
+                e = min(s + tau, n - 1)
+                t0 = time.perf_counter()
+                logits = dec.feed(ids[s:e], all_logits=True)  # [T, vocab]
+                fwd += time.perf_counter() - t0
+                on_logits(s + 1 - p, torch.from_numpy(logits))
+            stats = {"max_cache_tokens": dec.max_tokens, "evictions": dec.evictions}
+            per_cell = (dec.kv_bytes() or 0) / dec.n_ctx
+            return fwd, stats, dec.max_tokens * per_cell / 2**20
+        finally:
+            dec.close()
