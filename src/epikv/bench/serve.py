@@ -198,6 +198,7 @@ def summarize(row: Row, res: dict, stats: dict, requests: int, concurrency: int,
         "in_flight_cache_full_mean": rnd(eng.get("in_flight_cache_full_mean"), 2),
         "cache_full_steps": eng.get("cache_full_steps"),
         "peak_pages": eng.get("peak_pages"), "num_blocks": eng.get("num_blocks"),
+        "engine": eng.get("engine", "torch"), "peak_cells": eng.get("peak_cells"), "cells": eng.get("cells"),
         "evictions": eng.get("evictions"), "pages_freed": eng.get("pages_freed"),
         "preemptions": eng.get("preemptions"), "offloads": eng.get("offloads"), "soft_resets": eng.get("soft_resets"),
         "steps": eng.get("steps"), "max_batch": eng.get("max_batch"),
@@ -376,16 +377,17 @@ def equal_batch(model, tokenizer, rows: list[Row], settings_of, prompts_ids: lis
 def table(rows: list[dict], eq: list[dict]) -> str:
     if not rows:  # the equal-batch part alone
         return "\n".join(_eq_lines(eq)).lstrip("\n") + "\n"
+    cells = all(r.get("engine") == "llama.cpp" for r in rows)  # llama.cpp's cache is cells, not pages
     lines = ["| policy | completed | in flight max / mean / median | in flight, cache full | tokens/s | "
-             "tokens per forward | latency p50 / p95 (s) | TTFT p50 (s) | peak pages / blocks | preemptions | "
-             "evictions |",
+             f"tokens per forward | latency p50 / p95 (s) | TTFT p50 (s) | "
+             f"{'peak cells / cells' if cells else 'peak pages / blocks'} | preemptions | evictions |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['completed']}/{r['requests']} | {r['max_in_flight']} / "
                      f"{r['in_flight_mean']} / {r['in_flight_p50']} | {_cache_full(r)} | {r['tokens_per_s']} | "
                      f"{_per_forward(r)} | "
                      f"{r['latency_p50_s']} / {r['latency_p95_s']} | "
-                     f"{r['ttft_p50_s']} | {r['peak_pages']} / {r['num_blocks']} | {r['preemptions']} | "
+                     f"{r['ttft_p50_s']} | {peak_kv(r)} | {r['preemptions']} | "
                      f"{r['evictions']} |")
     full = next((r for r in rows if r["policy"] == "full"), None)
     if full and full.get("max_in_flight"):
@@ -400,8 +402,9 @@ def table(rows: list[dict], eq: list[dict]) -> str:
                          + (f", {_per_forward(r) / _per_forward(full):.2f}x its tokens per forward"
                             if _per_forward(r) and _per_forward(full) else "")
                          + _cache_full_ratio(r, full))
-        lines += ["", "In flight, cache full: the mean number of requests holding pages over the forwards in which "
-                      "a request waited for pages (the forward had room for its tokens); what the cache holds when "
+        kv = "cells" if cells else "pages"
+        lines += ["", f"In flight, cache full: the mean number of requests holding {kv} over the forwards in which "
+                      f"a request waited for {kv} (the forward had room for its tokens); what the cache holds when "
                       "it is the limit, without the ramp-up and the tail. 'never full': every request fitted at once "
                       "(that many is a lower bound on what the cache holds)."]
     return "\n".join(lines + _eq_lines(eq)) + "\n"
@@ -425,6 +428,13 @@ def _eq_lines(eq: list[dict]) -> list[str]:
                                  f"- padded model.generate: {e['tokens_per_s'] / f['tokens_per_s']:.2f}x the "
                                  f"engine's full tokens/s at batch {f['batch']}")
     return lines
+
+
+def peak_kv(r: dict) -> str:
+    """The peak KV held and the capacity: cells for llama.cpp, pages for the torch engine."""
+    if r.get("engine") == "llama.cpp":
+        return f"{r['peak_cells']} / {r['cells']}"
+    return f"{r['peak_pages']} / {r['num_blocks']}"
 
 
 def _cache_full(r: dict) -> str:

@@ -98,9 +98,17 @@ def register(sub) -> None:
                                     "--out.")
     add_model_args(v)
     add_policy_args(v, multi=True)
-    v.add_argument("--page", type=positive_int, default=16, help="tokens per cache page (default 16)")
+    v.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="the server's engine: torch (transformers' continuous batching over --num-blocks pages, "
+                        "default) or llama.cpp (one context of --ctx cells shared by up to --sequences sequences)")
+    v.add_argument("--page", type=positive_int, default=None, help="tokens per cache page (torch; default 16)")
     v.add_argument("--num-blocks", type=positive_int, default=None,
-                   help="pages in the shared KV cache, the same for every policy (required unless --url)")
+                   help="pages in the shared KV cache, the same for every policy (torch; required unless --url)")
+    v.add_argument("--ctx", type=positive_int, default=None,
+                   help="KV cells of the llama.cpp context, the same for every policy (llama.cpp; required unless "
+                        "--url)")
+    v.add_argument("--sequences", type=positive_int, default=None,
+                   help="sequences the llama.cpp server decodes at once (llama.cpp; default --concurrency)")
     v.add_argument("--max-batch-tokens", type=positive_int, default=256, help="tokens per forward pass")
     v.add_argument("--url", default=None, help="load an already running server instead (one row: its policy)")
     v.add_argument("--requests", type=positive_int, default=32, help="requests per policy (R)")
@@ -128,14 +136,25 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from ..bench.serve import Row, chat_prompts, equal_batch, plot, read_done, row_key, run_row, table, tokenizer_of
+    from ..bench.serve import (Row, chat_prompts, equal_batch, peak_kv, plot, read_done, row_key, run_row, table,
+                               tokenizer_of)
     from ..data import data_dir
     from ..policies import REGISTRY
 
     names = list(dict.fromkeys(args.policies))
     settings = settings_by_policy(args, names)  # unknown names and stray --set refused before anything starts
-    if args.url is None and args.num_blocks is None:
-        raise EpiKVError("--num-blocks is required (or --url for a running server)")
+    llama = args.engine == "llama.cpp"
+    given = [f for f, v in ((("--page", args.page), ("--num-blocks", args.num_blocks)) if llama else
+                            (("--ctx", args.ctx), ("--sequences", args.sequences))) if v is not None]
+    if given:
+        raise EpiKVError(f"{' and '.join(given)}: " + (
+            "options of the torch engine's paged cache; --engine llama.cpp takes --ctx cells and --sequences" if llama
+            else "options of --engine llama.cpp; the torch engine's cache is --num-blocks pages of --page tokens"))
+    if llama and args.equal_batch:
+        raise EpiKVError("--equal-batch times transformers' engine in process: not with --engine llama.cpp")
+    if args.url is None and (args.ctx if llama else args.num_blocks) is None:
+        raise EpiKVError(f"{'--ctx' if llama else '--num-blocks'} is required (or --url for a running server)")
+    args.page = None if llama else (args.page or 16)
     if args.url is not None and (len(names) > 1 or len(args.budgets) > 1):
         raise EpiKVError("--url loads one running server: give one policy and one budget (its own)")
     rows = []
@@ -155,14 +174,22 @@ def run_serve(args) -> int:
               "concurrency": args.concurrency, "max_tokens": args.max_tokens, "data": args.data,
               "max_batch_tokens": args.max_batch_tokens, "url": args.url,
               "max_prompt_tokens": args.max_prompt_tokens}
+    if llama:  # in the key only for llama.cpp, so torch rows recorded before stay reusable
+        common.update(engine="llama.cpp", ctx=args.ctx, sequences=args.sequences or args.concurrency)
     sampling = None
     if args.temperature > 0:  # in the key only when sampled, so greedy rows recorded before stay reusable
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
         common["sampling"] = sampling
-    server_argv = ["--model", args.model, "--page", str(args.page), "--max-batch-tokens", str(args.max_batch_tokens),
+    server_argv = ["--model", args.model, "--max-batch-tokens", str(args.max_batch_tokens),
                    "--max-tokens", str(args.max_tokens)]
-    if args.num_blocks:
-        server_argv += ["--num-blocks", str(args.num_blocks)]
+    if llama:
+        server_argv += ["--engine", "llama.cpp", "--sequences", str(common["sequences"])]
+        if args.ctx:
+            server_argv += ["--ctx", str(args.ctx)]
+    else:
+        server_argv += ["--page", str(args.page)]
+        if args.num_blocks:
+            server_argv += ["--num-blocks", str(args.num_blocks)]
     for flag, v in (("--device", args.device), ("--dtype", args.dtype), ("--attn", args.attn),
                     ("--threads", args.threads), ("--tau", args.tau), ("--recent", args.recent)):
         if v is not None:
@@ -184,7 +211,7 @@ def run_serve(args) -> int:
             f.write(json.dumps(rec) + "\n")
         recs.append(rec)
         say(f"{row.label}: {rec['completed']}/{rec['requests']} completed, max in flight {rec['max_in_flight']}, "
-            f"{rec['tokens_per_s']} tok/s, latency p50 {rec['latency_p50_s']} s, peak pages {rec['peak_pages']}")
+            f"{rec['tokens_per_s']} tok/s, latency p50 {rec['latency_p50_s']} s, peak {peak_kv(rec)}")
     eq = []
     if args.equal_batch:
         from ..engine import eos_ids  # noqa: F401  (the model loads only for this part)
@@ -215,7 +242,9 @@ def run_serve(args) -> int:
     text = table(recs, eq)
     how = (f"sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed} + i)" if sampling
            else "greedy")
-    head = (f"{args.model}, page {args.page}, {args.num_blocks} blocks, {args.requests} requests x {args.max_tokens} "
+    cache = (f"llama.cpp, {args.ctx} cells, {common['sequences']} sequences" if llama
+             else f"page {args.page}, {args.num_blocks} blocks")
+    head = (f"{args.model}, {cache}, {args.requests} requests x {args.max_tokens} "
             f"tokens (forced), concurrency {args.concurrency}, data {args.data}, {how}\n\n")
     (out / "table.md").write_text(head + text)
     if recs:

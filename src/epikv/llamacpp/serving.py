@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import EpiKVError
-from ..serving.backend import Backend, Output
+from ..serving.backend import Backend, Output, mean_p50
 from . import lib
 from .engine import all_outputs, checked_policy, default_threads, make_context
 from .model import GGUFModel
@@ -108,7 +108,11 @@ class LlamaBackend(Backend):
         self._stop = threading.Event()
         self.fatal: str | None = None
         self.counters = dict(admitted=0, finished=0, failed=0, cancelled=0, preemptions=0, evictions=0,
-                             evicted_tokens=0, steps=0, batch_rows=0, max_running=0)
+                             evicted_tokens=0, steps=0, batch_rows=0, max_running=0, peak_cells=0)
+        # sequences holding cells, per decode; and the same over the decodes in which a request waited for cells
+        # (a sequence id was free): what the cache holds when it is the limit (bench serve's "in flight, cache full")
+        self.in_flight_hist: dict[int, int] = {}
+        self.cache_full_hist: dict[int, int] = {}
         self._hold = False  # set by a preemption, cleared when a request ends
         self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
         self.trace: dict[str, list] | None = None  # test hook: request id -> the logits each token was drawn from
@@ -165,6 +169,11 @@ class LlamaBackend(Backend):
     def stats(self) -> dict:
         c = dict(self.counters)
         c["evictions"], c["evicted_tokens"] = self._totals()
+        mean, p50, _ = mean_p50(self.in_flight_hist)
+        c["max_in_flight"] = max(self.in_flight_hist, default=0)
+        c["in_flight_mean"], c["in_flight_p50"] = mean or 0.0, p50 or 0
+        c["in_flight_cache_full_mean"], c["in_flight_cache_full_p50"], c["cache_full_steps"] = \
+            mean_p50(self.cache_full_hist)
         c.update(engine="llama.cpp", cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
@@ -327,12 +336,18 @@ class LlamaBackend(Backend):
         b.n_tokens = j
         if self.capture is not None:
             self.capture.reset()
+        holding = len(self._running)
+        # cells at their fullest: after this decode, before the sequences record its rows (and evict)
+        self.counters["peak_cells"] = max(self.counters["peak_cells"], self._held() + j)
         rc = ll.llama_decode(self.ctx, b)
         if rc != 0:
             for r, _ in plan:
                 self._fail(r, f"llama_decode failed with status {rc}")
             return
         self.counters["steps"] += 1
+        self.in_flight_hist[holding] = self.in_flight_hist.get(holding, 0) + 1
+        if self._waiting and self._free_ids:  # admission stopped at the cells (or a preemption's hold), not the ids
+            self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
         self.counters["batch_rows"] += j
         rows = self.capture.rows(j) if self.capture is not None else None  # block -> [j, dim], batch order
         off = 0

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import EpiKVError
+from .backend import mean_p50 as _mean_p50
 from .checks import ServeSpec, ServingUnsupported, check_internals, check_serving, probe_cache
 from .evictor import KVReader, Track
 
@@ -334,20 +335,6 @@ def cache_bound(scheduled, token_budget: int, max_requests: int | None) -> bool:
     more requests, so the waiting request was not admitted (or was preempted) because the cache was full."""
     tokens = sum(fs.query_length for fs in scheduled)
     return tokens < token_budget and (max_requests is None or len(scheduled) < max_requests)
-
-
-def _mean_p50(hist: dict[int, int]) -> tuple[float | None, int | None, int]:
-    """Mean and median of a histogram {value: count}, and its count (None, None, 0 when empty)."""
-    items = sorted(hist.items())
-    n = sum(c for _, c in items)
-    if not n:
-        return None, None, 0
-    acc = 0
-    for k, c in items:
-        acc += c
-        if 2 * acc >= n:
-            return sum(k * c for k, c in items) / n, k, n
-    raise AssertionError("unreachable")
 
 
 def _cb_config(spec: ServeSpec):
