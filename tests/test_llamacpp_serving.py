@@ -203,14 +203,26 @@ def test_cells_return_after_eviction_and_finishing(gm, request):
 
 def test_more_sequences_than_full_in_the_same_cells(gm, request):
     """In 320 cells, `full` (whole length reserved) runs 2 requests of ~47 + 60 tokens at once; epikv at K=64 all 4
-    (twice as many)."""
+    (twice as many). The in-flight figures bench serve reports: `full` holds 2 in every decode in which a request
+    waited for cells; epikv's cache never held one back; the peak cells are what the decodes held, within --ctx."""
     prompts = _prompts(gm, 4)
     full = _backend(gm, request, ctx=320, sequences=8, max_batch_tokens=128, policy="full", budget=None)
+    held = []  # (sequences holding cells, cells in use) after each of full's decodes
+    full.on_step = lambda b: held.append((len(b._running), b.gauges()["cells_in_use"]))
     _run(full, prompts, max_tokens=60)
     epi = _backend(gm, request, ctx=320, sequences=8, max_batch_tokens=128)
     _run(epi, prompts, max_tokens=60)
-    assert full.stats()["max_running"] == 2 and full.stats()["preemptions"] == 0
-    assert epi.stats()["max_running"] == 4 and epi.stats()["evictions"] > 0, epi.stats()
+    fs, es = full.stats(), epi.stats()
+    assert fs["max_running"] == 2 and fs["preemptions"] == 0
+    assert es["max_running"] == 4 and es["evictions"] > 0, es
+    assert fs["max_in_flight"] == 2 and es["max_in_flight"] == 4
+    assert sum(full.in_flight_hist.values()) == fs["steps"] and sum(epi.in_flight_hist.values()) == es["steps"]
+    # full: two waited while the first two decoded (up to 60 tokens: they may end at EOS); the last decodes, with no
+    # one waiting, are not counted
+    assert fs["cache_full_steps"] >= 20 and fs["in_flight_cache_full_mean"] == 2.0, fs
+    assert fs["cache_full_steps"] < fs["steps"] and es["cache_full_steps"] == 0 and es["in_flight_cache_full_mean"] is None
+    # no eviction in full: its fullest decode holds its running sequences' cells, before one of them ends
+    assert max(c for _, c in held) < fs["peak_cells"] <= 320 and es["peak_cells"] <= 320
 
 
 def test_preemption_is_counted_and_sends_nothing_twice(gm, request):
@@ -255,6 +267,46 @@ def test_cli_refusals_exit_2_in_one_line(argv, needle):
     base = ["serve", "--engine", "llama.cpp", "--ctx", "512", "--sequences", "2", "--budget", "64", "--port", "0"]
     p = _cli(*base, *argv)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--engine", "llama.cpp", "--num-blocks", "8", "--ctx", "512"], "--num-blocks: options of the torch engine's paged"),
+    (["--engine", "llama.cpp"], "--ctx is required (or --url for a running server)"),
+    (["--engine", "llama.cpp", "--ctx", "512", "--equal-batch", "2"], "--equal-batch times transformers' engine"),
+    (["--ctx", "512", "--num-blocks", "8"], "--ctx: options of --engine llama.cpp"),
+    (["--sequences", "4", "--num-blocks", "8"], "--sequences: options of --engine llama.cpp"),
+])
+def test_bench_serve_refusals_exit_2_in_one_line(tmp_path, argv, needle):
+    p = _cli("bench", "serve", "--model", "smollm2", "--requests", "2", "--out", str(tmp_path / "b"), *argv)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
+
+
+def test_bench_serve_on_llama_cpp(tmp_path):
+    """`epikv bench serve --engine llama.cpp` end to end: both rows served over HTTP by `epikv serve --engine
+    llama.cpp` in the same cells: the first 4 prompts of <= 100 tokens (80, 79, 46 and 72) + 96 tokens; in 600 cells
+    `full` holds 3 and the cache held the fourth back, epikv K=128 (at most 129 cells each) runs all 4; the table is
+    in cells; a second run reuses both rows."""
+    out = tmp_path / "b"
+    argv = ["bench", "serve", "--engine", "llama.cpp", "--model", "smollm2", "--policies", "full,epikv", "--budgets",
+            "128", "--ctx", "600", "--requests", "4", "--concurrency", "4", "--max-tokens", "96",
+            "--max-prompt-tokens", "100", "--threads", "1", "--timeout", "240", "--out", str(out)]
+    r = _cli(*argv)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [x["label"] for x in rows] == ["full", "epikv K=128"]
+    full, epi = rows
+    for x in rows:
+        assert x["engine"] == "llama.cpp" and x["cells"] == 600 and x["server"]["engine"] == "llama.cpp"
+        assert x["completed"] == x["complete_length"] == 4 and x["generated_tokens"] == 4 * 96, x
+        assert 0 < x["peak_cells"] <= 600 and x["tokens_per_s"] > 0 and x["preemptions"] == 0
+        assert x["settings"]["ctx"] == 600 and x["settings"]["sequences"] == 4 and x["settings"]["page"] is None
+    assert full["max_in_flight"] == 3 and full["cache_full_steps"] > 0 and full["in_flight_cache_full_mean"] == 3.0
+    assert epi["max_in_flight"] == 4 and epi["cache_full_steps"] == 0 and epi["evictions"] > 0
+    text = (out / "table.md").read_text()
+    assert "llama.cpp, 600 cells, 4 sequences" in text and "| peak cells / cells |" in text
+    assert f"| {full['peak_cells']} / 600 |" in text and epi["peak_cells"] <= 4 * 129 and "never full (>= 4)" in text
+    r2 = _cli(*argv)
+    assert r2.returncode == 0 and r2.stderr.count("reusing the finished row") == 2, r2.stderr
 
 
 def test_cli_without_llama_cpp_one_line(tmp_path):
