@@ -48,18 +48,58 @@ def cut_at_stop(decode: Callable[[list[int]], str], ids: list[int],
 class StopStream:
     """The text of a growing token list, released as it becomes final: `step(ids, final)` returns the new text,
     holding back a trailing partial UTF-8 character (decoded as U+FFFD) and any tail that may begin a stop string,
-    and cutting at a stop string (then `stopped`). `sent` is the text released so far."""
+    and cutting at a stop string (then `stopped`). `sent` is the text released so far.
+
+    Decoding is incremental, so a long answer costs linear time, not quadratic: the text of ids[:anchor] is kept,
+    and each step decodes only ids[anchor - CONTEXT:], dropping the text of its first CONTEXT tokens (the context
+    lets a tokenizer that strips a leading space at the start of a decode, or joins bytes across tokens, decode the
+    tail as it would inside the whole). Where that does not reproduce the whole decode's text (the tail's decode
+    does not begin with the context's), the whole list is decoded instead."""
+
+    CONTEXT = 6  # tokens decoded before the anchor
+    ADVANCE = 32  # the anchor moves when this many tokens lie past it, keeping CONTEXT of them undecided
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str]):
         self.decode, self.stops = decode, [s for s in stops if s]
+        self._longest = max((len(x) for x in self.stops), default=0)
         self.sent = ""
         self.stopped = False
+        self._anchor = 0  # ids[:anchor] decode to self._fixed (ids[anchor - CONTEXT:anchor] are kept to check it)
+        self._fixed = ""
+        self._ctx: list[int] = []
+        self.decoded_tokens = 0  # tokens passed to decode, in all (linear in the answer's length)
+
+    def _decode(self, ids: list[int]) -> str:
+        self.decoded_tokens += len(ids)
+        return self.decode(ids)
+
+    def text(self, ids: list[int]) -> str:
+        """decode(ids), from the kept text of ids[:anchor] and a decode of the tail."""
+        a, c = self._anchor, self.CONTEXT
+        if a and (len(ids) < a or list(ids[max(0, a - c):a]) != self._ctx):  # not a continuation: start over
+            a = self._anchor = 0
+            self._fixed, self._ctx = "", []
+        lo = max(0, a - c)
+        head = self._decode(list(ids[lo:a])) if a else ""
+        tail = self._decode(list(ids[lo:]))
+        if not tail.startswith(head):
+            self._anchor, self._fixed, self._ctx = 0, "", []
+            return self._decode(list(ids))
+        text = self._fixed + tail[len(head):]
+        if len(ids) - a >= self.ADVANCE + c:
+            na = len(ids) - c
+            upto = self._decode(list(ids[lo:na]))
+            if upto.startswith(head) and not upto.endswith("\ufffd") and tail.startswith(upto):
+                self._anchor, self._fixed = na, self._fixed + upto[len(head):]
+                self._ctx = list(ids[max(0, na - c):na])
+        return text
 
     def step(self, ids: list[int], final: bool) -> str:
-        text = self.decode(ids)
-        cut = stop_index(text, self.stops)
+        text = self.text(ids)
+        start = max(0, len(self.sent) - self._longest + 1)  # the sent text held no stop, nor the start of one
+        cut = stop_index(text[start:], self.stops)
         if cut >= 0:
-            text, final, self.stopped = text[:cut], True, True
+            text, final, self.stopped = text[:start + cut], True, True
         if not final:
             text = text.rstrip("\ufffd")
             text = text[:len(text) - held_back(text, self.stops)]
