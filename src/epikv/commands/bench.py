@@ -90,7 +90,8 @@ def register(sub) -> None:
 
 
     v = bsub.add_parser("serve", help="load on `epikv serve` over HTTP: full against eviction under one KV cache",
-                        description="Starts `epikv serve` once per policy (in sequence, same --num-blocks), sends "
+                        description="Starts `epikv serve` once per policy (in sequence, the same cache: --num-blocks pages, "
+                                    "or --ctx cells with --engine llama.cpp), sends "
                                     "--requests chat requests with reasoning problems from the shared data at "
                                     "--concurrency with the openai client, each forced to --max-tokens, and reports "
                                     "requests completed, in flight, tokens/s, latency, peak KV pages and "
