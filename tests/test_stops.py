@@ -1,6 +1,6 @@
 """The stop-string rule (epikv.stops), on a character-per-token decoder with one multi-character token."""
 
-from epikv.stops import StopStream, cut_at_stop
+from epikv.stops import StopStream, cut_at_stop, ids_within
 
 VOCAB = {0: "a", 1: "b", 2: "3", 3: "x3", 4: "c", 5: ""}  # 3 straddles a stop "3"; 5 decodes to nothing (EOS)
 
@@ -30,8 +30,9 @@ def test_a_stream_holds_back_what_may_begin_a_stop():
 
 
 def _stream_all(decode_fn, ids, stops=()):
-    """Feed a StopStream every prefix of ids; each step's text must equal the whole decode's, and the released
-    deltas must add up to the final text. -> the stream."""
+    """Feed a StopStream every prefix of ids, as a server streams them: each step's text must equal the whole
+    decode's, the released deltas must add up to the final text, and the ids of the released text must be those
+    found by whole decodes. -> the stream (its decoded_tokens: what the steps and ids() decoded)."""
     st = StopStream(decode_fn, list(stops))
     out = []
     for n in range(1, len(ids) + 1):
@@ -40,6 +41,10 @@ def _stream_all(decode_fn, ids, stops=()):
         st.decoded_tokens = spent  # count the steps' decoding only
         st2_delta = st.step(ids[:n], n == len(ids))
         out.append(st2_delta)
+        spent = st.decoded_tokens
+        ref = ids_within(decode_fn, ids[:n], len(st.sent))  # the ids of the released text, by whole decodes
+        st.decoded_tokens = spent
+        assert st.ids(ids[:n]) == ids[:ref], n
         if st.stopped:
             break
     assert "".join(out) == st.sent
@@ -71,7 +76,7 @@ def test_incremental_text_equals_the_whole_decode_and_costs_linear_time():
     # with a stop string late in the answer: cut where the whole text says
     stop = "answer is \\boxed{391} …"
     st = _stream_all(hf, ids, [stop])
-    assert st.stopped and st.sent == hf(ids)[:hf(ids).index(stop)]
+    assert st.stopped and st.sent == hf(ids)[:hf(ids).index(stop)] and st.decoded_tokens <= 48 * len(ids)
 
     pieces = ["▁the", "▁answer", "▁is", "▁391", ".", "▁so", "▁wait", ",", "▁hmm"]
 

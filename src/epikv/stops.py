@@ -68,6 +68,7 @@ class StopStream:
         self._fixed = ""
         self._ctx: list[int] = []
         self.decoded_tokens = 0  # tokens passed to decode, in all (linear in the answer's length)
+        self._released: tuple[int, bool] = (-1, False)  # (len(ids) of the last step, all its text released)
 
     def _decode(self, ids: list[int]) -> str:
         self.decoded_tokens += len(ids)
@@ -96,6 +97,7 @@ class StopStream:
 
     def step(self, ids: list[int], final: bool) -> str:
         text = self.text(ids)
+        whole = len(text)
         start = max(0, len(self.sent) - self._longest + 1)  # the sent text held no stop, nor the start of one
         cut = stop_index(text[start:], self.stops)
         if cut >= 0:
@@ -110,8 +112,24 @@ class StopStream:
             text = self.sent + text[common:] if common == len(self.sent) else self.sent
         delta = text[len(self.sent):]
         self.sent = text
+        self._released = (len(ids), len(text) == whole and not self.stopped)
         return delta
 
     def ids(self, ids: list[int]) -> list[int]:
         """The prefix of `ids` whose text is what was released (the token ids that go with `sent`)."""
-        return list(ids[:ids_within(self.decode, ids, len(self.sent))])
+        if self._released == (len(ids), True):  # the last step released all its text
+            return list(ids)
+        n = len(self.sent)
+        a, c = self._anchor, self.CONTEXT
+        if a and len(ids) >= a and list(ids[max(0, a - c):a]) == self._ctx and len(self._fixed) <= n:
+            lo = max(0, a - c)  # ids[:a] decode to the kept text, within what was released: search past a
+            head = len(self._decode(list(ids[lo:a])))
+            k, hi = a, len(ids)
+            while k < hi:
+                mid = (k + hi + 1) // 2
+                if len(self._fixed) + len(self._decode(list(ids[lo:mid]))) - head <= n:
+                    k = mid
+                else:
+                    hi = mid - 1
+            return list(ids[:k])
+        return list(ids[:ids_within(self._decode, ids, n)])
