@@ -29,7 +29,7 @@ def test_bench_speed_on_llama_cpp_json(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "long epikv: 320 tokens" in p.stderr and "nan" not in p.stderr  # no peak memory in this process's runs
     r = json.loads(out.read_text())
-    assert r["kind"] == "speed" and r["engine"] == "llama.cpp" and r["threads"] == 1
+    assert r["kind"] == "speed" and r["engine"] == "llama.cpp" and r["threads"] == 1 and "CPU" in r["system_info"]
     (block,) = r["budgets"]
     rows = {c["label"]: c for c in block["configs"]}
     assert set(rows) == {"full", "epikv@tau=16"}

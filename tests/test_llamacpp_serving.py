@@ -299,6 +299,7 @@ def test_bench_serve_on_llama_cpp(tmp_path):
         assert x["engine"] == "llama.cpp" and x["cells"] == 600 and x["server"]["engine"] == "llama.cpp"
         assert x["completed"] == x["complete_length"] == 4 and x["generated_tokens"] == 4 * 96, x
         assert 0 < x["peak_cells"] <= 600 and x["tokens_per_s"] > 0 and x["preemptions"] == 0
+        assert "CPU" in x["server"]["system_info"]  # the build's CPU features, recorded with the row
         assert x["settings"]["ctx"] == 600 and x["settings"]["sequences"] == 4 and x["settings"]["page"] is None
     assert full["max_in_flight"] == 3 and full["cache_full_steps"] > 0 and full["in_flight_cache_full_mean"] == 3.0
     assert epi["max_in_flight"] == 4 and epi["cache_full_steps"] == 0 and epi["evictions"] > 0

@@ -408,7 +408,10 @@ def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
                                         on_point=lambda p: _tick(hb, f"long {p['policy']}: {_fmt_point(p)}"))
     finally:
         hb.close()
-    result = {"kind": "speed", "engine": "llama.cpp", "model": args.model, "device": "cpu", "dtype": "gguf",
+    from ..llamacpp.lib import system_info
+
+    result = {"kind": "speed", "engine": "llama.cpp", "system_info": system_info(), "model": args.model,
+              "device": "cpu", "dtype": "gguf",
               "threads": args.threads or default_threads(), "budgets": blocks,
               "long_budget": None if args.no_long else (args.long_budget or args.budgets[0]), "long": long,
               "environment": {"start": env_start, "end_loadavg": list(os.getloadavg())}, "settings": _settings(args)}

@@ -222,6 +222,7 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
     from .engines import LlamaCppEngine
 
     eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF: refused here in one line
+    from ..llamacpp import lib
     from ..llamacpp.serving import LlamaBackend
 
     backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
@@ -239,6 +240,7 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
                         info={"model": args.model, "engine": "llama.cpp", "policy": args.policy,
                               "budget": backend.budget, "ctx": args.ctx, "sequences": args.sequences,
                               "max_batch_tokens": args.max_batch_tokens, "threads": backend.threads,
+                              "llama_cpp": lib.load().version, "system_info": lib.system_info(),
                               "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
                               "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}})

@@ -45,6 +45,12 @@ def load() -> SimpleNamespace:
     return SimpleNamespace(ll=llama_cpp, ggml=ggml, version=getattr(llama_cpp, "__version__", "?"))
 
 
+def system_info() -> str:
+    """llama.cpp's own line of the CPU features its build uses (e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ..."), recorded
+    with benchmark results: a portable build and a native one differ severalfold on the same machine."""
+    return (load().ll.llama_print_system_info() or b"").decode(errors="replace").strip()
+
+
 def available() -> bool:
     try:
         load()
