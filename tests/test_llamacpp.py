@@ -622,3 +622,35 @@ def test_without_llama_cpp_the_engine_says_so_and_the_rest_works(tmp_path):
     p = _cli("generate", "--model", "random:tiny", "--raw", "--prompt", "hi", "--max-new-tokens", "3", "--json",
              "--threads", "1", env=env)
     assert p.returncode == 0 and json.loads(p.stdout)["engine"] == "torch"
+
+
+def test_extra_buffer_types_switch(monkeypatch):
+    """EPIKV_LLAMA_EXTRA_BUFTS=0 loads the model without llama.cpp's extra weight buffer types (AMX / repacked
+    weights, whose AMX kernels crash on batches where AMX tiles are not granted); unset, llama.cpp's default; a bad
+    value is refused in one line. The model loaded without them decodes a batch as before."""
+    from epikv.errors import EpiKVError
+    from epikv.llamacpp import lib, load_gguf
+    from epikv.llamacpp.engine import LlamaDecoder
+
+    ll = lib.load().ll
+    seen = []
+    real = ll.llama_model_load_from_file
+
+    def spy(path, mp):
+        seen.append(bool(mp.use_extra_bufts))
+        return real(path, mp)
+
+    monkeypatch.setattr(ll, "llama_model_load_from_file", spy)
+    monkeypatch.delenv("EPIKV_LLAMA_EXTRA_BUFTS", raising=False)
+    load_gguf("smollm2").close()
+    monkeypatch.setenv("EPIKV_LLAMA_EXTRA_BUFTS", "0")
+    gm = load_gguf("smollm2")
+    assert seen == [True, False]
+    dec = LlamaDecoder(gm, max_tokens=32, policy="full", budget=None, threads=1)
+    lg = dec.prefill([1, 2, 3, 4, 5, 6, 7, 8])
+    assert lg.shape == (gm.tokenizer.n_vocab,) and np.isfinite(lg).all()
+    dec.close()
+    gm.close()
+    monkeypatch.setenv("EPIKV_LLAMA_EXTRA_BUFTS", "maybe")
+    with pytest.raises(EpiKVError, match="EPIKV_LLAMA_EXTRA_BUFTS must be 0 or 1"):
+        load_gguf("smollm2")

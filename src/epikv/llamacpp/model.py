@@ -5,6 +5,7 @@ whose cache cannot be evicted from correctly."""
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,12 +156,27 @@ class GGUFModel:
             pass
 
 
+def extra_buffer_types() -> bool:
+    """Whether llama.cpp may put weights in its extra buffer types (repacked for AMX or other kernels; llama.cpp's
+    default): EPIKV_LLAMA_EXTRA_BUFTS=0 turns them off. A native build on a machine with AMX uses AMX kernels for
+    batches, and those crash where the kernel does not let the process use AMX tiles (measured on this project's
+    virtual machines: single-token decodes run, a batch of 5 segfaults); without them the build's AVX-512 kernels
+    run the batches."""
+    v = os.environ.get("EPIKV_LLAMA_EXTRA_BUFTS", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise EpiKVError(f"EPIKV_LLAMA_EXTRA_BUFTS must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "on", "yes")
+
+
 def load_gguf(model: str = EMBEDDED) -> GGUFModel:
     L = lib.load()
     ll = L.ll
     path = gguf_path(model)
+    extra = extra_buffer_types()
     mp = ll.llama_model_default_params()
     mp.n_gpu_layers = 0
+    if not extra:
+        mp.use_extra_bufts = False
     ptr = ll.llama_model_load_from_file(str(path).encode(), mp)
     if not ptr:
         raise EpiKVError(f"llama.cpp could not load {path} (an unsupported architecture or a damaged file)")
