@@ -396,10 +396,8 @@ def test_soak_on_llama_cpp():
     in twenty malformed): every well-formed request answered once with distinct ids, none failed, every cell back
     when idle, RSS after the soak within 10 % of after the warm-up, /metrics agreeing with /stats, /health ok
     throughout. EPIKV_SOAK_OUT: write the figures there (benchmarks/results/serve/soak/)."""
-    import random
-
     from prometheus_client.parser import text_string_to_metric_families
-    from test_serving_soak import HealthWatch, _rss_kib, soak_request
+    from test_serving_soak import HealthWatch, soak
 
     from test_serving_http import Served  # the serve tests' launcher
 
@@ -407,31 +405,9 @@ def test_soak_on_llama_cpp():
                 "--max-batch-tokens", "128", "--max-tokens", "40"])
     try:
         health = HealthWatch(s)
-
-        def one(i):
-            return soak_request(s, i, random.Random(2000 + i), "smollm2")
-
-        def run(ids):
-            with ThreadPoolExecutor(16) as ex:
-                return list(ex.map(one, ids))
-
-        def idle():
-            end = time.monotonic() + 20
-            st = s.get("/stats")
-            while (st["http"]["in_flight"] or st["engine"]["cells_in_use"]) and time.monotonic() < end:
-                time.sleep(0.1)
-                st = s.get("/stats")
-            return st
-
-        t0 = time.monotonic()
-        warm = run(range(100))
-        st_warm = idle()
-        rss_warm = _rss_kib(s.proc.pid)
-        t1 = time.monotonic()
-        got = run(range(100, 600))
-        soak_s = time.monotonic() - t1
-        st = idle()
-        rss_after = _rss_kib(s.proc.pid)
+        r = soak(s, "smollm2", 2000, "cells_in_use")
+        warm, got, st_warm, st, rss_warm, rss_after = (r[k] for k in ("warm", "got", "idle_warm", "idle",
+                                                                      "rss_warm", "rss_after"))
         health_bad = health.stop()
         kinds = [k for k, _ in warm + got]
         ids = [x for _, x in warm + got if x is not None]
@@ -439,8 +415,8 @@ def test_soak_on_llama_cpp():
         http_st, eng = st["http"], st["engine"]
         figures = {"engine": "llama.cpp", "requests": len(got), "warmup": len(warm), "whole": kinds.count("whole"),
                    "streamed": kinds.count("streamed"), "dropped": kinds.count("dropped"),
-                   "malformed": kinds.count("malformed"), "soak_seconds": round(soak_s, 1),
-                   "total_seconds": round(time.monotonic() - t0, 1),
+                   "malformed": kinds.count("malformed"), "soak_seconds": round(r["soak_s"], 1),
+                   "total_seconds": round(r["total_s"], 1),
                    "rss_after_warmup_mib": round(rss_warm / 1024, 1), "rss_after_soak_mib": round(rss_after / 1024, 1),
                    "rss_ratio": round(rss_after / rss_warm, 3), "completed": http_st["completed"],
                    "cancelled": http_st["cancelled"], "failed": http_st["failed"], "evictions": eng["evictions"],

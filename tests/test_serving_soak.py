@@ -112,13 +112,33 @@ def soak_request(s, i: int, r: random.Random, model: str, vocab: int = 49152):
     return "whole", out.id
 
 
-def _wait_idle(s, timeout=20):
+def _wait_idle(s, in_use: str = "pages_in_use", timeout=20):
     end = time.monotonic() + timeout
     st = s.get("/stats")
-    while (st["http"]["in_flight"] or st["engine"]["pages_in_use"]) and time.monotonic() < end:
+    while (st["http"]["in_flight"] or st["engine"][in_use]) and time.monotonic() < end:
         time.sleep(0.1)
         st = s.get("/stats")
     return st
+
+
+def soak(s, model: str, seed: int, in_use: str) -> dict:
+    """The soak on a served engine: 100 warm-up requests, then 500 (soak_request, request i drawn from
+    Random(seed + i)), 16 at a time; /stats once idle (the engine's `in_use` gauge back to 0) and the server's RSS
+    after each part."""
+    def run(ids):
+        with ThreadPoolExecutor(16) as ex:
+            return list(ex.map(lambda i: soak_request(s, i, random.Random(seed + i), model), ids))
+
+    t0 = time.monotonic()
+    warm = run(range(100))
+    idle_warm = _wait_idle(s, in_use)
+    rss_warm = _rss_kib(s.proc.pid)
+    t1 = time.monotonic()
+    got = run(range(100, 600))
+    soak_s = time.monotonic() - t1
+    idle = _wait_idle(s, in_use)
+    return {"warm": warm, "got": got, "idle_warm": idle_warm, "idle": idle, "rss_warm": rss_warm,
+            "rss_after": _rss_kib(s.proc.pid), "soak_s": soak_s, "total_s": time.monotonic() - t0}
 
 
 def test_drain_on_sigterm_loses_no_finished_answer():
@@ -178,26 +198,9 @@ def test_metrics_of_the_real_engine_and_soak(request):
                 "--max-batch-tokens", "128", "--max-tokens", "40"])
     request.addfinalizer(lambda: (s.proc.send_signal(signal.SIGTERM), s.proc.wait(60)))
     health = HealthWatch(s)
-
-    def rng_for(i):
-        return random.Random(1000 + i)
-
-    def one(i):
-        return soak_request(s, i, rng_for(i), MODEL)
-
-    def run(ids):
-        with ThreadPoolExecutor(16) as ex:
-            return list(ex.map(one, ids))
-
-    t0 = time.monotonic()
-    warm = run(range(100))
-    idle = _wait_idle(s)
-    rss_warm = _rss_kib(s.proc.pid)
-    t1 = time.monotonic()
-    got = run(range(100, 600))
-    soak_s = time.monotonic() - t1
-    st = _wait_idle(s)
-    rss_after = _rss_kib(s.proc.pid)
+    r = soak(s, MODEL, 1000, "pages_in_use")
+    warm, got, idle, st, rss_warm, rss_after = (r[k] for k in ("warm", "got", "idle_warm", "idle", "rss_warm",
+                                                               "rss_after"))
     health_bad = health.stop()
     kinds = [k for k, _ in warm + got]
     ids = [x for _, x in warm + got if x is not None]
@@ -205,8 +208,8 @@ def test_metrics_of_the_real_engine_and_soak(request):
     http_st, eng = st["http"], st["engine"]
     figures = {"requests": len(got), "warmup": len(warm), "whole": kinds.count("whole"),
                "streamed": kinds.count("streamed"), "dropped": kinds.count("dropped"),
-               "malformed": kinds.count("malformed"), "soak_seconds": round(soak_s, 1),
-               "total_seconds": round(time.monotonic() - t0, 1), "rss_after_warmup_mib": round(rss_warm / 1024, 1),
+               "malformed": kinds.count("malformed"), "soak_seconds": round(r["soak_s"], 1),
+               "total_seconds": round(r["total_s"], 1), "rss_after_warmup_mib": round(rss_warm / 1024, 1),
                "rss_after_soak_mib": round(rss_after / 1024, 1), "rss_ratio": round(rss_after / rss_warm, 3),
                "completed": http_st["completed"], "cancelled": http_st["cancelled"], "failed": http_st["failed"],
                "evictions": eng["evictions"], "peak_pages": eng["peak_pages"], "pages_in_use_idle": eng["pages_in_use"],
