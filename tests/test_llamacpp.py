@@ -401,15 +401,13 @@ def test_refuses_recurrent_hybrid_and_sliding_window_models(gm):
 
     for kw, needle in ((dict(recurrent=True), "recurrent"), (dict(hybrid=True), "hybrid"),
                        (dict(n_swa=4096), "sliding-window")):
-        fake = dataclasses.replace(gm, **kw)
-        fake.close = lambda: None  # shares gm's pointer: never free it twice
+        fake = dataclasses.replace(gm, **kw)  # shares gm's model handle, which frees the model once
         with pytest.raises(EpiKVError, match=needle):
             fake.check_evictable()
         from epikv.llamacpp import LlamaDecoder
 
         with pytest.raises(EpiKVError, match=needle):
             LlamaDecoder(fake, "epikv", 72, max_tokens=64)
-        object.__setattr__(fake, "ptr", None)
 
 
 def test_a_builder_without_block_outputs_is_refused(gm, prompt_ids):
@@ -493,9 +491,11 @@ def _tiny_mamba(path, n_layer=2, n_embd=32, d_state=8, d_conv=4, dt_rank=4):
     return path
 
 
-def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=0):
-    """A tiny GGUF of a llama.cpp architecture, written with the `gguf` package: `llama`, or `olmo2` with a sliding
-    window when swa > 0 (its builder then makes llama.cpp's sliding-window cache)."""
+def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=0,
+               head_dim=None):
+    """A tiny GGUF of a llama.cpp architecture, written with the `gguf` package: `llama`, `olmo2` with a sliding
+    window when swa > 0 (its builder then makes llama.cpp's sliding-window cache), or `qwen3`, whose key / value
+    length (head_dim) is set explicitly and may differ from n_embd / n_head."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -513,18 +513,23 @@ def _tiny_gguf(path, arch="llama", swa=0, n_layer=4, n_embd=64, n_head=4, n_head
     rng = np.random.default_rng(seed)
     r = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
     one = lambda n: np.ones(n, np.float32)  # noqa: E731
-    hd = n_embd // n_head
+    hd = head_dim or n_embd // n_head
+    if head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_tensor("token_embd.weight", r(vocab, n_embd))
     w.add_tensor("output_norm.weight", one(n_embd))
     w.add_tensor("output.weight", r(vocab, n_embd))
     for i in range(n_layer):
         p = f"blk.{i}."
-        for name, shape in (("attn_q", (n_embd, n_embd)), ("attn_k", (n_head_kv * hd, n_embd)),
-                            ("attn_v", (n_head_kv * hd, n_embd)), ("attn_output", (n_embd, n_embd)),
+        for name, shape in (("attn_q", (n_head * hd, n_embd)), ("attn_k", (n_head_kv * hd, n_embd)),
+                            ("attn_v", (n_head_kv * hd, n_embd)), ("attn_output", (n_embd, n_head * hd)),
                             ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))):
             w.add_tensor(p + name + ".weight", r(*shape))
         norms = (("attn_q_norm", n_embd), ("attn_k_norm", n_head_kv * hd), ("post_attention_norm", n_embd),
                  ("post_ffw_norm", n_embd)) if arch == "olmo2" else (("attn_norm", n_embd), ("ffn_norm", n_embd))
+        if arch == "qwen3":
+            norms += (("attn_q_norm", hd), ("attn_k_norm", hd))
         for name, n in norms:
             w.add_tensor(p + name + ".weight", one(n))
     w.write_header_to_file()

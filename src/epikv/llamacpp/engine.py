@@ -30,7 +30,7 @@ from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
 from .model import GGUFModel
-from .sequence import SequenceCache
+from .sequence import CellCounter, SequenceCache
 
 # Policies that read only hidden states or positions; the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full")
@@ -96,7 +96,8 @@ def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, 
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None):
     """A llama.cpp context with one unified KV stream of n_ctx cells (freed cells serve any sequence, and a
     micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` wired into
-    its eval callback. Returns (ctx, capture or None); keep the capture alive as long as the context."""
+    its eval callback, probed (probe_context). Returns (ctx, capture or None, CellCounter or None); keep the capture
+    alive as long as the context."""
     ll = lib.load().ll
     if type_kv not in KV_TYPES:
         raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
@@ -117,7 +118,42 @@ def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, 
     ctx = ll.llama_init_from_model(gm.ptr, cp)
     if not ctx:
         raise EpiKVError(f"llama.cpp could not create a context of {n_ctx} cells for {gm.name}")
-    return ctx, cap
+    try:
+        cells = probe_context(gm, ctx, cap)
+    except BaseException:
+        ll.llama_free(ctx)
+        raise
+    return ctx, cap, cells
+
+
+def probe_context(gm: GGUFModel, ctx, cap: BlockCapture | None) -> CellCounter | None:
+    """Two one-token decodes on sequence 0 of a new context, then the cache cleared: a model whose graph the
+    capture cannot read is refused here, in one line, rather than on a first request; and the two state sizes
+    calibrate the exact cell count (CellCounter; None where the state does not grow by cell: a recurrent model)."""
+    ll = lib.load().ll
+    mem = ll.llama_get_memory(ctx)
+    bos = gm.tokenizer.bos_token_id
+    tok = bos if 0 <= bos < gm.tokenizer.n_vocab else 0
+    b = ll.llama_batch_init(1, 0, 1)
+    sizes = []
+    try:
+        for pos in (0, 1):
+            b.n_tokens = 1
+            b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = tok, pos, 1, 1
+            b.seq_id[0][0] = 0
+            if cap is not None:
+                cap.reset()
+            rc = ll.llama_decode(ctx, b)
+            if rc != 0:
+                raise EpiKVError(f"llama.cpp's probe decode on {gm.name} failed with status {rc}")
+            if cap is not None:
+                cap.rows(1)
+            sizes.append(int(ll.llama_state_seq_get_size(ctx, 0)))
+    finally:
+        ll.llama_batch_free(b)
+        ll.llama_memory_clear(mem, True)  # empty, and the next slot search starts at cell 0 again
+    per_cell = sizes[1] - sizes[0]
+    return CellCounter(ctx, mem, sizes[0] - per_cell, per_cell) if per_cell > 0 and not gm.recurrent else None
 
 
 class LlamaDecoder(SequenceCache):
@@ -141,7 +177,7 @@ class LlamaDecoder(SequenceCache):
         self.ctx = None
         self._ll = lib.load().ll
         self.threads = threads or default_threads()
-        self.ctx, self.capture = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=n_seq_max,
+        self.ctx, self.capture, cells = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=n_seq_max,
                                               threads=self.threads, capture=capture, type_kv=type_kv,
                                               flash_attn=flash_attn)
         ll = lib.load().ll
@@ -150,7 +186,7 @@ class LlamaDecoder(SequenceCache):
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.n_vocab = gm.tokenizer.n_vocab
         self.type_kv = type_kv
-        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks)
+        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, cells)
 
     # -- feeding ------------------------------------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
@@ -202,15 +238,11 @@ class LlamaDecoder(SequenceCache):
 
     # -- lifetime -----------------------------------------------------------------------------------------------------
     def kv_bytes(self) -> int | None:
-        """Bytes of the KV cache llama.cpp allocated for this context: n_ctx cells x layers x K and V (None for a
-        model without attention heads: a recurrent model's state is not a KV cache)."""
-        ll, m = self._ll, self.gm.ptr
-        n_head = int(ll.llama_model_n_head(m))
-        if n_head <= 0 or self.gm.n_head_kv <= 0:
-            return None
-        head_dim = self.gm.n_embd // n_head
-        per_cell = 2 * self.gm.n_layers * self.gm.n_head_kv * head_dim * (2 if self.type_kv == "f16" else 4)
-        return self.n_ctx * per_cell
+        """Bytes of the KV cache llama.cpp allocated for this context: n_ctx cells x every layer's K and V rows at
+        the GGUF's own key / value lengths (None for a model without attention KV: a recurrent model's state is
+        not a KV cache)."""
+        per_cell = self.gm.kv_bytes_per_cell(self.type_kv)
+        return self.n_ctx * per_cell if per_cell > 0 and not self.gm.recurrent else None
 
     def close(self) -> None:
         if getattr(self, "ctx", None):

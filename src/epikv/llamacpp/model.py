@@ -32,16 +32,48 @@ def gguf_path(model: str) -> Path:
     return p
 
 
+class ModelHandle:
+    """Owns a llama_model pointer: freed when the last holder lets go (the GGUFModel and its tokenizer both hold
+    it, so `load_gguf(...).tokenizer` keeps the vocabulary alive), or at once by close(); after close() every use
+    raises EpiKVError instead of reading freed memory."""
+
+    def __init__(self, ptr, name: str) -> None:
+        self._ptr, self.name = ptr, name
+
+    @property
+    def ptr(self):
+        if not self._ptr:
+            raise EpiKVError(f"the llama.cpp model {self.name} was closed: load it again with load_gguf")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return not self._ptr
+
+    def close(self) -> None:
+        if self._ptr:
+            ptr, self._ptr = self._ptr, None
+            lib.load().ll.llama_model_free(ptr)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class GGUFTokenizer:
     """llama.cpp's own vocabulary behind the calls epikv.engine.encode_prompts and the streaming decoder make:
     `__call__(text, add_special_tokens)`, `apply_chat_template(messages, add_generation_prompt, tokenize)` (the
     GGUF's own Jinja template, rendered by transformers' renderer, then tokenised with special tokens parsed and
     none added, as transformers does), `decode(ids, skip_special_tokens)`."""
 
-    def __init__(self, model_ptr) -> None:
+    def __init__(self, model: ModelHandle) -> None:
         L = lib.load()
         self._ll = L.ll
-        self._vocab = L.ll.llama_model_get_vocab(model_ptr)
+        self._model = model  # the vocabulary lives inside the model: hold it as long as this tokenizer
+        model_ptr = model.ptr
+        self._vocab_ptr = L.ll.llama_model_get_vocab(model_ptr)
         tmpl = L.ll.llama_model_chat_template(model_ptr, None)
         self.chat_template = tmpl.decode("utf-8") if tmpl else None
         self.eos_token_id = int(L.ll.llama_vocab_eos(self._vocab))
@@ -50,13 +82,23 @@ class GGUFTokenizer:
         self.n_vocab = int(L.ll.llama_vocab_n_tokens(self._vocab))
         self._eog: list[int] | None = None
 
+    @property
+    def _vocab(self):
+        self._model.ptr  # raises once the model is closed: the vocab pointer is freed with it
+        return self._vocab_ptr
+
     def eog_ids(self) -> list[int]:
         """The end-of-generation tokens (EOS, EOT and the like) as llama.cpp marks them."""
         if self._eog is None:
-            self._eog = [t for t in range(self.n_vocab) if self._ll.llama_vocab_is_eog(self._vocab, t)]
+            vocab = self._vocab
+            self._eog = [t for t in range(self.n_vocab) if self._ll.llama_vocab_is_eog(vocab, t)]
         return self._eog
 
     def piece(self, token: int, special: bool = True) -> str:
+        """The text of one token; "" for a negative id (a vocabulary without BOS or EOS reports -1, and llama.cpp
+        aborts the process on a token id out of range)."""
+        if token < 0 or token >= self.n_vocab:
+            return ""
         buf = ctypes.create_string_buffer(256)
         n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)].decode("utf-8", "replace")
@@ -91,6 +133,9 @@ class GGUFTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
+        bad = [i for i in ids if i < 0 or i >= self.n_vocab]
+        if bad:  # llama.cpp aborts the process on an id out of range
+            raise EpiKVError(f"token id {bad[0]} is outside this vocabulary of {self.n_vocab} tokens")
         if not ids:
             return ""
         arr = (self._ll.llama_token * len(ids))(*ids)
@@ -114,7 +159,7 @@ def _meta(ll, model_ptr, key: str) -> str | None:
 class GGUFModel:
     """A loaded GGUF: the llama_model pointer, its tokenizer and shape. Free it with close() (or let it go)."""
 
-    ptr: object
+    handle: ModelHandle
     tokenizer: GGUFTokenizer
     name: str
     path: Path
@@ -126,6 +171,20 @@ class GGUFModel:
     n_swa: int
     recurrent: bool
     hybrid: bool
+    head_dim_k: int = 0  # key / value length per KV head (the GGUF's <arch>.attention.key_length / value_length,
+    head_dim_v: int = 0  # or n_embd / n_head where unset, as llama.cpp reads them)
+    n_head_kv_layers: tuple[int, ...] = ()  # KV heads of each layer (per-layer in some GGUFs)
+
+    @property
+    def ptr(self):
+        """The llama_model pointer (EpiKVError once closed)."""
+        return self.handle.ptr
+
+    def kv_bytes_per_cell(self, type_kv: str = "f16") -> int:
+        """Bytes one KV cell takes over every layer: K and V rows of each layer's KV heads, as llama.cpp allocates
+        them (0 for a model without attention KV)."""
+        elem = {"f16": 2, "f32": 4}[type_kv]
+        return sum(h * (self.head_dim_k + self.head_dim_v) for h in self.n_head_kv_layers) * elem
 
     @property
     def depth(self) -> Depth:
@@ -145,15 +204,9 @@ class GGUFModel:
                              "full")
 
     def close(self) -> None:
-        if self.ptr:
-            lib.load().ll.llama_model_free(self.ptr)
-            self.ptr = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        """Free the model now; its tokenizer and contexts then refuse every use (EpiKVError). Without close() the
+        model is freed when neither this object nor its tokenizer is referenced."""
+        self.handle.close()
 
 
 def extra_buffer_types() -> bool:
@@ -184,8 +237,38 @@ def load_gguf(model: str = EMBEDDED) -> GGUFModel:
         ll.llama_model_free(ptr)
         raise EpiKVError(f"{model} is not a decoder-only model: only causal LMs are supported")
     arch = _meta(ll, ptr, "general.architecture") or "?"
-    return GGUFModel(ptr=ptr, tokenizer=GGUFTokenizer(ptr), name=model, path=path, arch=arch,
-                     n_layers=int(ll.llama_model_n_layer(ptr)), n_embd=int(ll.llama_model_n_embd(ptr)),
-                     n_ctx_train=int(ll.llama_model_n_ctx_train(ptr)), n_head_kv=int(ll.llama_model_n_head_kv(ptr)),
-                     n_swa=int(ll.llama_model_n_swa(ptr)), recurrent=bool(ll.llama_model_is_recurrent(ptr)),
-                     hybrid=bool(ll.llama_model_is_hybrid(ptr)))
+    handle = ModelHandle(ptr, model)
+    n_layers, n_embd = int(ll.llama_model_n_layer(ptr)), int(ll.llama_model_n_embd(ptr))
+    n_head, n_head_kv = int(ll.llama_model_n_head(ptr)), int(ll.llama_model_n_head_kv(ptr))
+    head_dim_k, head_dim_v, per_layer = kv_geometry(lambda k: _meta(ll, ptr, f"{arch}.{k}"), n_layers, n_embd,
+                                                    n_head, n_head_kv)
+    return GGUFModel(handle=handle, tokenizer=GGUFTokenizer(handle), name=model, path=path, arch=arch,
+                     n_layers=n_layers, n_embd=n_embd, n_ctx_train=int(ll.llama_model_n_ctx_train(ptr)),
+                     n_head_kv=n_head_kv, n_swa=int(ll.llama_model_n_swa(ptr)),
+                     recurrent=bool(ll.llama_model_is_recurrent(ptr)), hybrid=bool(ll.llama_model_is_hybrid(ptr)),
+                     head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_head_kv_layers=per_layer)
+
+
+def _ints(text: str | None) -> list[int] | None:
+    """A GGUF value as llama.cpp prints it: an integer, or an array of integers ("[2, 2, 4]")."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.strip().strip("[]").split(",") if x.strip()]
+    except ValueError:
+        return None
+
+
+def kv_geometry(meta, n_layers: int, n_embd: int, n_head: int, n_head_kv: int) -> tuple[int, int, tuple[int, ...]]:
+    """(key length, value length, KV heads of each layer) as llama.cpp sizes its cache: key_length / value_length
+    when the GGUF sets them (Qwen3, Gemma), n_embd / n_head otherwise; head_count_kv per layer when it is an array.
+    meta(key) returns the GGUF value of `<arch>.<key>` as text, or None."""
+    default = n_embd // n_head if n_head > 0 else 0
+    k = (_ints(meta("attention.key_length")) or [default])[0]
+    v = (_ints(meta("attention.value_length")) or [default])[0]  # each defaults to n_embd / n_head on its own
+    heads = _ints(meta("attention.head_count_kv"))
+    if heads and len(heads) == n_layers:
+        per_layer = tuple(heads)
+    else:
+        per_layer = (n_head_kv if n_head > 0 else 0,) * n_layers
+    return k, v, per_layer

@@ -8,6 +8,7 @@ The caller owns the context and the decode; after each decode it hands this sequ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -16,7 +17,31 @@ import torch
 from ..errors import EpiKVError
 from ..policies import CacheView, Policy, StepObservation
 from ..policies.hidden import HiddenStatePolicy
+from . import lib
 from .model import GGUFModel
+
+
+@dataclass(frozen=True)
+class CellCounter:
+    """The exact number of cells a sequence holds in a llama.cpp context, read from the size of its saved state
+    (`llama_state_seq_get_size`, a dry run that copies nothing): llama.cpp writes a fixed header, then the same
+    bytes for every cell (its position, and its K and V rows in every layer), so size = base + per_cell x cells.
+    `base` and `per_cell` are measured on the context itself by two probe tokens (engine.probe_context)."""
+
+    ctx: object
+    mem: object
+    base: int
+    per_cell: int
+
+    def __call__(self, seq: int) -> int:
+        ll = lib.load().ll
+        if int(ll.llama_memory_seq_pos_max(self.mem, seq)) < 0:
+            return 0
+        n, rest = divmod(int(ll.llama_state_seq_get_size(self.ctx, seq)) - self.base, self.per_cell)
+        if rest or n < 1:
+            raise EpiKVError(f"llama.cpp's state of sequence {seq} is not a whole number of cells "
+                             f"({self.base} + {self.per_cell} x n bytes expected)")
+        return n
 
 
 class SequenceCache:
@@ -24,8 +49,9 @@ class SequenceCache:
     budget None for a policy that does not evict)."""
 
     def _init_sequence(self, ll, mem, seq: int, gm: GGUFModel, policy: Policy, budget: int | None,
-                       blocks: list[int]) -> None:
+                       blocks: list[int], cells: CellCounter | None = None) -> None:
         self._ll, self.mem, self.seq, self.gm = ll, mem, seq, gm
+        self.cells = cells  # the exact cell count the mirror is checked against (None: bounds only)
         self.policy = policy
         self.budget = budget if policy.evicts else None
         self.tau = policy.tau
@@ -103,13 +129,23 @@ class SequenceCache:
         return (int(self._ll.llama_memory_seq_pos_min(self.mem, self.seq)),
                 int(self._ll.llama_memory_seq_pos_max(self.mem, self.seq)))
 
+    def cell_count(self) -> int | None:
+        """The cells llama.cpp holds for this sequence, counted by llama.cpp (None without a counter)."""
+        return self.cells(self.seq) if self.cells is not None else None
+
     def _check_mirror(self) -> None:
+        """llama.cpp's cache against the mirror: the lowest and highest positions, and the number of cells (a
+        removal that stops one short in a run keeps both bounds)."""
         pos = self.positions
         want = (int(pos[0]), int(pos[-1])) if pos.numel() else (-1, -1)
         got = self.cache_bounds()
         if got != want:
             raise EpiKVError(f"llama.cpp's cache holds positions {got[0]}..{got[1]} but epikv's mirror "
                              f"{want[0]}..{want[1]}: the cache and the policy disagree")
+        n = self.cell_count()
+        if n is not None and n != pos.numel():
+            raise EpiKVError(f"llama.cpp's cache holds {n} cells of sequence {self.seq} but epikv's mirror "
+                             f"{pos.numel()}: the cache and the policy disagree")
 
     # -- scoring --------------------------------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -22,6 +22,7 @@ the budget by removing single cells (LLAMACPP.md sections 2 and 3).
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -37,9 +38,12 @@ from .model import GGUFModel
 from .sequence import SequenceCache
 
 
+log = logging.getLogger("epikv.serve")
+
+
 class _Seq(SequenceCache):
-    def __init__(self, ll, mem, seq, gm, policy, budget, blocks) -> None:
-        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks)
+    def __init__(self, ll, mem, seq, gm, policy, budget, blocks, cells) -> None:
+        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks, cells)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class LlamaBackend(Backend):
 
     sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     per_request_eos = True
+    capacity_flags = "--ctx"
 
     def __init__(self, gm: GGUFModel, policy="epikv", budget: int | None = 1024, tau: int | None = None, *,
                  ctx: int, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
@@ -91,7 +96,9 @@ class LlamaBackend(Backend):
         self.threads = threads or default_threads()
         self.type_kv = type_kv
         self._ll = ll = lib.load().ll
-        self.ctx, self.capture = make_context(gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens,
+        # the context is probed before the server takes a request: a model whose graph cannot be captured is
+        # refused here (EpiKVError: `epikv serve` says so in one line and exits 2)
+        self.ctx, self.capture, self.cell_counter = make_context(gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens,
                                               n_seq_max=sequences + spare_sequences, threads=self.threads, capture=capture,
                                               type_kv=type_kv, flash_attn=flash_attn)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
@@ -106,6 +113,9 @@ class LlamaBackend(Backend):
         self._running: list[_Req] = []  # in admission order
         self._free_ids = list(range(sequences))
         self._stop = threading.Event()
+        # a scrape (any thread) reads ended sequences' totals plus the running ones': _end moves a sequence from
+        # one to the other under this lock, so /metrics counters never count it twice or not at all
+        self._lock = threading.Lock()
         self.fatal: str | None = None
         self.counters = dict(admitted=0, finished=0, failed=0, cancelled=0, preemptions=0, evictions=0,
                              evicted_tokens=0, steps=0, batch_rows=0, max_running=0, peak_cells=0)
@@ -115,6 +125,10 @@ class LlamaBackend(Backend):
         self.cache_full_hist: dict[int, int] = {}
         self._hold = False  # set by a preemption, cleared when a request ends
         self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
+        # cells llama.cpp itself holds for any sequence id, counted by llama.cpp (not the mirrors) by the engine
+        # thread each time it goes idle: 0 unless some ended request's cells were never removed
+        self.llama_cells_idle = self.llama_cells()
+        self._busy = False
         self.trace: dict[str, list] | None = None  # test hook: request id -> the logits each token was drawn from
         self.on_step = None  # test hook: called by the engine thread after each step with this backend
         self._thread = threading.Thread(target=self._loop, name="epikv-llamacpp", daemon=True)
@@ -124,6 +138,9 @@ class LlamaBackend(Backend):
     def submit(self, rid, input_ids, max_tokens, *, sampling, seed, ignore_eos) -> None:
         if self._stop.is_set() or self.fatal:
             raise RuntimeError("the server is shutting down" if self._stop.is_set() else self.fatal)
+        why = self.prompt_refusal(len(input_ids)) or self.total_refusal(len(input_ids), int(max_tokens))
+        if why:  # refused here, not queued: the engine thread would wait for cells that never come free
+            raise RuntimeError(why)
         sampler = None
         if sampling is not None and sampling.temperature > 0:
             from ..serving.sampling import RequestSampler
@@ -137,11 +154,13 @@ class LlamaBackend(Backend):
         except queue.Empty:
             return None
 
-    def cancel(self, rid: str) -> None:
-        self._inbox.put(("cancel", rid))
+    def cancel(self, rid: str, completed: bool = False) -> None:
+        self._inbox.put(("release" if completed else "cancel", rid))
 
     def release(self, rid: str) -> None:
-        self._inbox.put(("cancel", rid))  # a no-op for a request already gone
+        """The app is done with the request (it ended, or a stop string completed it): free its cells if it still
+        runs, counted as finished, not cancelled; a no-op for a request already gone."""
+        self._inbox.put(("release", rid))
 
     def healthy(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
@@ -166,6 +185,13 @@ class LlamaBackend(Backend):
             return f"prompt ({n_prompt} tokens) does not fit the {self.cells} cells of the cache"
         return None
 
+    def total_refusal(self, n_prompt: int, max_tokens: int) -> str | None:
+        """Why a request of this length can never run: under `full` its prompt and max_tokens must fit the cells."""
+        if not self.policy.evicts and n_prompt + max_tokens > self.cells:
+            return (f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the {self.cells} cells of this "
+                    "server's llama.cpp cache (--ctx)")
+        return None
+
     def stats(self) -> dict:
         c = dict(self.counters)
         c["evictions"], c["evicted_tokens"] = self._totals()
@@ -175,16 +201,19 @@ class LlamaBackend(Backend):
         c["in_flight_cache_full_mean"], c["in_flight_cache_full_p50"], c["cache_full_steps"] = \
             mean_p50(self.cache_full_hist)
         c.update(engine="llama.cpp", cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
+                 cells_held_when_idle=self.llama_cells_idle,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
                  running=len(self._running), waiting=len(self._waiting))
         return c
 
     def _totals(self) -> tuple[int, int]:
-        """Evictions and evicted tokens: those of ended sequences and of the running ones."""
-        live = [r.seq for r in list(self._running) if r.seq is not None]
-        return (self.counters["evictions"] + sum(s.evictions for s in live),
-                self.counters["evicted_tokens"] + sum(s.evicted_tokens for s in live))
+        """Evictions and evicted tokens: those of ended sequences and of the running ones (under the lock that
+        _end holds while it moves a sequence from the second to the first)."""
+        with self._lock:
+            live = [r.seq for r in self._running if r.seq is not None]
+            return (self.counters["evictions"] + sum(s.evictions for s in live),
+                    self.counters["evicted_tokens"] + sum(s.evicted_tokens for s in live))
 
     def gauges(self) -> dict:
         ev, toks = self._totals()
@@ -206,10 +235,15 @@ class LlamaBackend(Backend):
                 self._commands(block=not (self._running or self._waiting))
                 self._admit()
                 if self._running:
+                    self._busy = True
                     self._step()
                     if self.on_step is not None:
                         self.on_step(self)
+                elif self._busy:  # just went idle: what does llama.cpp still hold?
+                    self._busy = False
+                    self.llama_cells_idle = self.llama_cells()
         except Exception as e:  # the context is in an unknown state: fail every request, stay unhealthy
+            log.exception("the llama.cpp engine thread stopped")
             self.fatal = f"the llama.cpp engine stopped: {type(e).__name__}: {e}"
         for r in list(self._running) + list(self._waiting):
             self._out.put(Output(r.rid, list(r.generated), True, self.fatal or "the server is shutting down"))
@@ -224,24 +258,35 @@ class LlamaBackend(Backend):
             if kind == "submit":
                 self._waiting.append(x)
             else:
-                self._cancel(x)
+                self._cancel(x, "cancelled" if kind == "cancel" else "finished")
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _cancel(self, rid: str) -> None:
+    def _cancel(self, rid: str, how: str = "cancelled") -> None:
         for r in self._running:
             if r.rid == rid:
                 self._end(r)
                 self._hold = False
-                self.counters["cancelled"] += 1
+                self.counters[how] += 1
                 return
         for r in self._waiting:
             if r.rid == rid:
                 self._waiting.remove(r)
-                self.counters["cancelled"] += 1
+                self.counters[how] += 1
                 return
+
+    def llama_cells(self, seqs=None) -> int:
+        """Cells llama.cpp holds for the given sequence ids (default: every id of this server), counted by
+        llama.cpp from each sequence's state (engine thread only: llama.cpp's context is not thread-safe)."""
+        n = 0
+        for s in range(self.sequences) if seqs is None else seqs:
+            if self.cell_counter is not None:
+                n += self.cell_counter(s)
+            else:
+                n += int(self._ll.llama_memory_seq_pos_max(self.mem, s) >= 0)
+        return n
 
     def _held(self) -> int:
         return sum(r.seq.stored() for r in self._running)
@@ -253,27 +298,34 @@ class LlamaBackend(Backend):
             if self.cells - self._held() - promised < self.need(r):
                 return
             self._waiting.popleft()
-            r.seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks)
+            seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks,
+                       self.cell_counter)
+            with self._lock:
+                r.seq = seq
             r.fed = 0
             try:
                 r.seq.start(len(r.prompt))
             except EpiKVError as e:
                 self._fail(r, str(e))
                 continue
-            self._running.append(r)
+            with self._lock:
+                self._running.append(r)
             self.counters["admitted"] += 1
             self.counters["max_running"] = max(self.counters["max_running"], len(self._running))
 
     def _end(self, r: _Req) -> None:
         """Free the request's cells and sequence id at once."""
-        if r.seq is not None:
-            self.counters["evictions"] += r.seq.evictions
-            self.counters["evicted_tokens"] += r.seq.evicted_tokens
-            r.seq.drop()
-            self._free_ids.append(r.seq.seq)
-            r.seq = None
-        if r in self._running:
-            self._running.remove(r)
+        seq = r.seq
+        if seq is not None:
+            seq.drop()
+        with self._lock:  # its counts move from the running to the ended totals in one step (see _totals)
+            if seq is not None:
+                self.counters["evictions"] += seq.evictions
+                self.counters["evicted_tokens"] += seq.evicted_tokens
+                self._free_ids.append(seq.seq)
+                r.seq = None
+            if r in self._running:
+                self._running.remove(r)
         self._in_use = self._held()
 
     def _fail(self, r: _Req, why: str) -> None:
@@ -349,21 +401,27 @@ class LlamaBackend(Backend):
         if self._waiting and self._free_ids:  # admission stopped at the cells (or a preemption's hold), not the ids
             self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
         self.counters["batch_rows"] += j
-        rows = self.capture.rows(j) if self.capture is not None else None  # block -> [j, dim], batch order
-        off = 0
+        try:
+            rows = self.capture.rows(j) if self.capture is not None else None  # block -> [j, dim], batch order
+        except Exception as e:  # this decode's rows are unusable: fail its requests (their cells go), serve on
+            log.exception("the capture of a decode of %d rows failed", j)
+            for r, _ in plan:
+                self._fail(r, str(e))
+            return
+        end = 0
         for r, toks in plan:
             t = len(toks)
-            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, off + t - 1), shape=(self.n_vocab,))
-            try:
-                r.seq.record(t, {blk: x[off: off + t] for blk, x in rows.items()} if rows is not None else None)
-            except EpiKVError as e:
-                self._fail(r, str(e))
-                off += t
-                continue
-            off += t
-            r.fed += t
-            if r.fed == r.known:  # its newest logits are the next token's: sample it
-                self._sample(r, logits)
+            off, end = end, end + t  # this request's rows: off .. end - 1
+            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, end - 1), shape=(self.n_vocab,))
+            try:  # an error here is this request's alone: it fails, its cells go, the others go on
+                r.seq.record(t, {blk: x[off:end] for blk, x in rows.items()} if rows is not None else None)
+                r.fed += t
+                if r.fed == r.known:  # its newest logits are the next token's: sample it
+                    self._sample(r, logits)
+            except Exception as e:
+                if not isinstance(e, EpiKVError):
+                    log.exception("request %s failed in the llama.cpp engine", r.rid)
+                self._fail(r, str(e) if isinstance(e, EpiKVError) else f"{type(e).__name__}: {e}")
         self._in_use = self._held()
 
     def _sample(self, r: _Req, logits: np.ndarray) -> None:

@@ -251,8 +251,8 @@ class Server:
             self.metrics.latency.observe(time.perf_counter() - p.t0)
 
     def cancel(self, rid: str, how: str = "cancelled", tokens: int = 0) -> None:
-        try:
-            self.backend.cancel(rid)
+        try:  # a stop string ends a request early but complete: the engine counts it finished, not cancelled
+            self.backend.cancel(rid, completed=how == "completed")
         except Exception:  # the engine is gone: nothing left to stop
             pass
         finally:
@@ -427,8 +427,9 @@ def parse_request(server: Server, body, chat: bool) -> dict:
         raise BadRequest(f"prompt ({len(ids)} tokens) exceeds the {server.prompt_limit} tokens a request may hold "
                          f"in this server's cache", "prompt")
     if server.total_limit and len(ids) + max_tokens > server.total_limit:
+        flags = getattr(server.backend, "capacity_flags", "its capacity")
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the {server.total_limit} "
-                         f"tokens one request may hold in this server's cache (--num-blocks x --page)", "max_tokens")
+                         f"tokens one request may hold in this server's cache ({flags})", "max_tokens")
     return {"input_ids": ids, "max_tokens": max_tokens, "stream": stream, "stop": _stop(body),
             "ignore_eos": ignore_eos, "sampling": sampling, "seed": seed,
             "reasoning": chat and server.reasoning_parser is not None,

@@ -49,6 +49,7 @@ class Backend:
 
     sampling_fields: frozenset = frozenset()
     per_request_eos: bool = False
+    capacity_flags: str = "its capacity"  # the options that size the cache, named in over-limit refusals
 
     def submit(self, rid: str, input_ids: list[int], max_tokens: int, *, sampling: Sampling | None, seed: int,
                ignore_eos: bool) -> None:
@@ -60,8 +61,9 @@ class Backend:
         """The next output of any request, or None after `timeout` seconds (called from one router thread)."""
         raise NotImplementedError
 
-    def cancel(self, rid: str) -> None:
-        """Stop a request early (the client left, a stop string, a timeout); its pages return to the pool."""
+    def cancel(self, rid: str, completed: bool = False) -> None:
+        """Stop a request early (the client left, a timeout; completed=True: a stop string ended its answer); its
+        pages return to the pool."""
         raise NotImplementedError
 
     def release(self, rid: str) -> None:
@@ -92,6 +94,7 @@ class TransformersBackend(Backend):
     """transformers' ContinuousBatchingManager started by `epikv.serving.start_manager` (eviction inside)."""
 
     sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
+    capacity_flags = "--num-blocks x --page"
 
     def __init__(self, manager) -> None:
         import inspect
@@ -128,7 +131,7 @@ class TransformersBackend(Backend):
         return Output(out.request_id, list(out.generated_tokens), bool(out.is_finished()),
                       None if err is None else str(err))
 
-    def cancel(self, rid: str) -> None:
+    def cancel(self, rid: str, completed: bool = False) -> None:
         self.manager.cancel_request(rid)
 
     def release(self, rid: str) -> None:
