@@ -407,7 +407,7 @@ def headline() -> str:
         ["`epikv serve --engine llama.cpp`, 32 x %d tokens in one cache" % full["max_tokens"],
          f"{k512['in_flight_cache_full_mean']:.2f} requests in flight at K = 512 against {full['in_flight_cache_full_mean']:.2f}"
          f" for the whole cache ({k512['in_flight_cache_full_mean'] / full['in_flight_cache_full_mean']:.2f}x)",
-         "[serving](docs/serving.md#both-engines-one-load)"],
+         "[serving](docs/serve.md#both-engines-one-load)"],
         ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
          f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache", "[benchmarks](docs/benchmarks.md)"],
