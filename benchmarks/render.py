@@ -326,6 +326,71 @@ def pages_cost() -> str:
     return table(head, rows) + "\n\n" + source_line([f], "bash benchmarks/results/pages/run.sh")
 
 
+def bench_memory() -> str:
+    f = "bench/memory_tiny_cpu.json"
+    d = load_json(f)
+    modes = {"eager+attn": "eager attention + attention weights", "sdpa+hidden": "SDPA + hidden states at two blocks"}
+    by = {(p["mode"], p["n"]): p for p in d["points"]}
+
+    def cell(p):
+        if p is None:
+            return "-"
+        if p["status"] == "ok":
+            return f"{p['peak_gib']:.3f} GiB"
+        return p["status"]
+
+    head = [f"one forward pass of n tokens, {d['model']}, cap {d['cap_gib']:.0f} GiB: peak memory"] + [
+        str(n) for n in d["lengths"]]
+    rows = [[modes.get(m, m)] + [cell(by.get((m, n))) for n in d["lengths"]] for m in modes]
+    cmd = ("epikv bench memory --model random:tiny --threads 1 --lengths " + ",".join(map(str, d["lengths"]))
+           + f" --cap-gib {d['cap_gib']:.0f} --out benchmarks/results/bench/memory_tiny_cpu.json")
+    return (table(head, rows) + "\n\nEach point in a child process under a hard cap; `oom`: the allocation was "
+            "refused, `skipped`: a shorter length already failed.\n\n" + source_line([f], cmd))
+
+
+def bench_throughput() -> str:
+    f = "bench/throughput/smollm2_cpu.json"
+    d = load_json(f)
+    pts = [p for p in d["points"] if p.get("full_request_set")]
+    full = next(p for p in pts if p["policy"] == "full")
+    head = [f"{d['requests']} requests x {d['new_tokens']} tokens, KV cap {d['cap_mib']:.0f} MiB, {d['model']}, CPU",
+            "largest batch under the cap", "aggregate tokens/s", "time for all requests (s)", "vs full's time",
+            "KV peak (MiB)"]
+    rows = [[p["label"], str(p["batch"]), f2(p["aggregate_tokens_per_s"]), f1(p["time_all_requests_s"]),
+             f"{p['time_all_requests_s'] / full['time_all_requests_s']:.2f}x", f1(p["kv_peak_bytes"] / 2**20)]
+            for p in pts]
+    cmd = raw("bench/throughput/command.txt").read_text(encoding="utf-8").strip().removeprefix("exec ")
+    return (table(head, rows) + "\n\nStatic batches (a request keeps its slot until its batch ends); the machine "
+            "was loaded during this run: `benchmarks/results/bench/throughput/README.md`.\n\n"
+            + source_line([f], cmd))
+
+
+def serve_equal_batch() -> str:
+    f = "serve/cpu-equal-batch-evicting/results.jsonl"
+    recs = load_jsonl(f)
+    repeats = sorted({r["repeat"] for r in recs})
+    labels = list(dict.fromkeys(r["label"] for r in recs))
+    by = {(r["label"], r["repeat"]): r for r in recs}
+    r0 = recs[0]
+    head = [f"batch {r0['batch']}, {r0['prompt']} + {r0['new']} tokens, {r0['preset']}, CPU: ms / step (vs full)"] + [
+        f"repeat {k + 1}" for k in repeats] + ["peak pages"]
+    rows = []
+    for lab in labels:
+        engine = by[(lab, repeats[0])]["engine"]
+        row = [lab if "generate" in lab else f"{lab} ({engine})"]
+        for k in repeats:
+            r, full = by[(lab, k)], by[("full", k)]
+            row.append(f"{r['ms_per_step']:.1f} ({r['ms_per_step'] / full['ms_per_step']:.3f}x)")
+        row.append(str(by[(lab, repeats[0])].get("peak_pages") or "-"))
+        rows.append(row)
+    cmd = ("OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_equal_batch.py --preset smollm2-135m --device cpu "
+           "--dtype float32 --batch 4 --prompt 64 --new 448 --budgets 128,256 --page 16 --max-batch-tokens 256 "
+           "--repeats 2 --out benchmarks/results/serve/cpu-equal-batch-evicting/results.jsonl")
+    return (table(head, rows) + "\n\nThe two repeats ran under a varying load and disagree by more than the "
+            "differences between policies: read no step-cost conclusion from them beyond that.\n\n"
+            + source_line([f], cmd))
+
+
 def _retention_records() -> tuple[list[str], dict]:
     files = ["retention-full/tau16/results.jsonl", "retention-full/tau128/results.jsonl"]
     cells: dict[tuple[str, int], dict[str, float]] = {}
@@ -534,6 +599,9 @@ RENDERERS = {
     "bench-long": bench_long,
     "bench-overhead": bench_overhead,
     "pages": pages_cost,
+    "bench-memory": bench_memory,
+    "bench-throughput": bench_throughput,
+    "serve-equal-batch": serve_equal_batch,
     "policies": policies,
 }
 
