@@ -475,10 +475,11 @@ def headline() -> str:
          "[serving](docs/serve.md#both-engines-one-load)"],
         ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
-         f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache", "[benchmarks](docs/benchmarks.md)"],
-        ["retention on 28 whole reasoning traces, K = 1024 (answer NLL vs random eviction)",
+         f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache",
+         "[benchmarks](docs/benchmarks.md#generation-to-the-context-limit-torch-engine)"],
+        [f"retention on {e_n} whole reasoning traces, K = 1024 (answer NLL vs random eviction)",
          f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
-         "[choosing a policy](docs/choosing.md)"],
+         "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
     files = ["llamacpp/interleaved.json", "llamacpp/step.json", "serve/engines/llama.cpp/results.jsonl",
              "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
