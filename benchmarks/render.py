@@ -129,7 +129,8 @@ def _segments(n: int, seg: int) -> list[str]:
 def llamacpp_long() -> str:
     f = "llamacpp/long.json"
     d = load_json(f)
-    names = {("llama.cpp", "epikv"): "epikv in llama.cpp, K = %s", ("llama.cpp", "full"): "plain llama.cpp, whole cache",
+    names = {("llama.cpp", "epikv"): "epikv in llama.cpp, K = %s",
+             ("llama.cpp", "full"): "plain llama.cpp, whole cache",
              ("torch", "epikv"): "epikv, torch engine (float32), K = %s"}
     n = len(d["rows"][0]["segments_tok_s"])
     head = ["tok/s per %d tokens" % d["segment"]] + _segments(n, d["segment"]) + ["KV bytes", "peak RSS (MiB)"]
@@ -215,7 +216,9 @@ def _serve_table(rel: str, command: str, what: str) -> str:
 
 
 def serve_h200() -> str:
-    return _serve_table("serve/gpu-h200/results.jsonl", "ROW_TIMEOUT=370 EQ_BATCH=8 EQ_TOKENS=64 bash benchmarks/results/serve/gpu-h200/run.sh (its README)",
+    return _serve_table("serve/gpu-h200/results.jsonl",
+                        "ROW_TIMEOUT=370 EQ_BATCH=8 EQ_TOKENS=64 bash benchmarks/results/serve/gpu-h200/run.sh"
+                        " (its README)",
                         "SmolLM2 bf16 on one H200, 808 pages of 16, 32 x 3072 tokens, rows cut at 370 s")
 
 
@@ -227,7 +230,8 @@ def serve_sampled() -> str:
 def soak() -> str:
     files = ["serve/soak/figures.json", "serve/soak/llamacpp.json"]
     t, l = load_json(files[0]), load_json(files[1])
-    head = ["soak (random lengths, a third streamed, dropped and malformed requests)", "torch engine", "llama.cpp engine"]
+    head = ["soak (random lengths, a third streamed, dropped and malformed requests)", "torch engine",
+            "llama.cpp engine"]
 
     def g(d, *keys):
         for k in keys:
@@ -263,7 +267,8 @@ def bench_long() -> str:
                     + [f2(seg[n]["segment_tokens_per_s"]) if n in seg else "-" for n in lengths]
                     + [f1(max(p["kv_buffer_mib"] for p in ps))])
     cmd = ("epikv bench speed --model smollm2 --threads 1 --policies full --gen-tokens 32 --round-steps 32 "
-           "--budgets 1024 --long-policies epikv,full --long-budget 1024 --long-lengths 1024,2048,4096,8128 --cap-gib 6 "
+           "--budgets 1024 --long-policies epikv,full --long-budget 1024 --long-lengths 1024,2048,4096,8128 "
+           "--cap-gib 6 "
            "--out benchmarks/results/bench/long_smollm2_8192_cpu.json")
     prompt = d["budgets"][0]["prompt_tokens"]
     return (table(head, rows) + f"\n\nA {prompt}-token prompt; tokens/s of each segment between checkpoints.\n\n"
@@ -470,7 +475,8 @@ def headline() -> str:
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         ["`epikv serve --engine llama.cpp`, 32 x %d tokens in one cache" % full["max_tokens"],
-         f"{k512['in_flight_cache_full_mean']:.2f} requests in flight at K = 512 against {full['in_flight_cache_full_mean']:.2f}"
+         f"{k512['in_flight_cache_full_mean']:.2f} requests in flight at K = 512 against "
+         f"{full['in_flight_cache_full_mean']:.2f}"
          f" for the whole cache ({k512['in_flight_cache_full_mean'] / full['in_flight_cache_full_mean']:.2f}x)",
          "[serving](docs/serve.md#both-engines-one-load)"],
         ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install epikv with everything the CLI, the tests and the embedded model need.
+# Create .venv (once) and install epikv with everything the CLI, the tests (the docs site's mkdocs included: the
+# `docs` extra, for tests/test_docs.py) and the embedded model need.
 # Idempotent: a second run only checks what is installed.
 #
 #   bash scripts/install.sh              # the main job's install (torch engine)

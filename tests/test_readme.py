@@ -1,7 +1,8 @@
 """The README's and the docs' examples run as written: every command block in a small form, every Python block as
 it stands.
 
-Commands are read from the ```bash blocks of README.md and docs/*.md (continuation lines joined, comments dropped, `&&` split).
+Commands are read from the ```bash blocks of README.md and docs/*.md (continuation lines joined, comments dropped,
+`&&` split).
 Each `.venv/bin/epikv` command must parse with the real CLI parser, and the files it reads must exist or be written
 by an earlier command of its block; the CPU-sized ones then run with smaller sizes (SMALL); the GPU, server and
 hour-long ones are parsed only (PARSE_ONLY). The ```text synopsis must name options the parser has, with its
