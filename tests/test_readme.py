@@ -1,10 +1,13 @@
-"""The README's examples run as written: every command block in a small form, every Python block as it stands.
+"""The README's and the docs' examples run as written: every command block in a small form, every Python block as
+it stands.
 
-Commands are read from the README's ```bash blocks (continuation lines joined, comments dropped, `&&` split).
+Commands are read from the ```bash blocks of README.md and docs/*.md (continuation lines joined, comments dropped,
+`&&` split).
 Each `.venv/bin/epikv` command must parse with the real CLI parser, and the files it reads must exist or be written
 by an earlier command of its block; the CPU-sized ones then run with smaller sizes (SMALL); the GPU, server and
 hour-long ones are parsed only (PARSE_ONLY). The ```text synopsis must name options the parser has, with its
-defaults. The ```python blocks run in order in one fresh interpreter, with max_new_tokens lowered to 8."""
+defaults (docs/cli.md). The ```python blocks of each page run in order in one fresh interpreter per page, with
+max_new_tokens lowered to 8. A block repeated on several pages runs once."""
 
 from __future__ import annotations
 
@@ -21,16 +24,20 @@ from epikv.cli import build_parser, main
 from epikv.data import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
+         for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]}
+README = PAGES["README.md"]
 
 # what a newcomer can run as written after scripts/install.sh (a bare `epikv` is not on PATH)
-PROGRAMS = {".venv/bin/epikv", ".venv/bin/python", "bash", "curl"}
+PROGRAMS = {".venv/bin/epikv", ".venv/bin/python", ".venv/bin/mkdocs", "bash", "curl"}
 # the small form of each CPU command: options replaced (or added) to make it take seconds
 SMALL = {
     "generate": {"--max-new-tokens": "8"},
     "eval": {"--limit": "1", "--max-new-tokens": "8", "--quiet": None},
     "retention": {"--limit": "1", "--max-reasoning-tokens": "48", "--max-answer-tokens": "8", "--budgets": "256"},
     "report": {},
+    "trace": {},
+    "policies": {},
 }
 # parsed, not run: a GPU or a hub model, a server, or minutes to hours on a CPU (covered by their own tests)
 PARSE_ONLY = {"bench", "anatomy", "serve"}
@@ -38,8 +45,10 @@ PARSE_ONLY = {"bench", "anatomy", "serve"}
 INPUTS = {"--traces", "--data-dir", "--labels", "--profile", "--bands-file"}
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.S | re.M)
+def blocks(lang: str, page: str | None = None) -> list[str]:
+    """The ```LANG blocks of one page, or of every page (README first) when page is None."""
+    texts = [PAGES[page]] if page else list(PAGES.values())
+    return [b for t in texts for b in re.findall(rf"^```{lang}\n(.*?)^```", t, flags=re.S | re.M)]
 
 
 def commands(block: str) -> list[list[str]]:
@@ -57,27 +66,28 @@ def commands(block: str) -> list[list[str]]:
     return out
 
 
-def epikv_blocks() -> list[list[list[str]]]:
+def epikv_blocks(page: str | None = None) -> list[list[list[str]]]:
     """Per bash block, its `.venv/bin/epikv` commands' arguments."""
-    return [[c[1:] for c in commands(b) if c[0] == ".venv/bin/epikv"] for b in blocks("bash")]
+    return [[c[1:] for c in commands(b) if c[0] == ".venv/bin/epikv"] for b in blocks("bash", page)]
 
 
 def test_every_command_runs_from_the_venv():
     seen = [c for b in blocks("bash") for c in commands(b)]
     assert len(seen) > 15
     bad = [" ".join(c) for c in seen if c[0] not in PROGRAMS]
-    assert not bad, f"README commands a fresh clone cannot run as written: {bad}"
+    assert not bad, f"README / docs commands a fresh clone cannot run as written: {bad}"
 
 
-def test_every_command_parses_and_finds_its_inputs():
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_every_command_parses_and_finds_its_inputs(page):
     parser = build_parser()
-    for block in epikv_blocks():
+    for block in epikv_blocks(page):
         written: set[str] = set()
         for argv in block:
             try:
                 args = parser.parse_args(argv)
             except SystemExit as e:
-                pytest.fail(f"the CLI refuses the README's `epikv {' '.join(argv)}` (exit {e.code})")
+                pytest.fail(f"the CLI refuses {page}'s `epikv {' '.join(argv)}` (exit {e.code})")
             for opt, val in zip(argv, argv[1:]):
                 if opt in INPUTS:
                     assert Path(ROOT / val).exists() or val in written, \
@@ -93,7 +103,7 @@ def _sub_parser(name: str):
 
 
 def test_synopsis_names_real_options_with_their_defaults():
-    (synopsis,) = [b for b in blocks("text") if b.startswith(".venv/bin/epikv")]
+    (synopsis,) = [b for b in blocks("text", "docs/cli.md") if b.startswith(".venv/bin/epikv")]
     checked = 0
     for line in synopsis.replace("\\\n", " ").splitlines():
         words = line.split("#")[0].split()
@@ -133,15 +143,17 @@ def repo_like(tmp_path, monkeypatch):
 def runnable_blocks() -> list[list[list[str]]]:
     out = []
     for block in epikv_blocks():
-        if block and block[0][0] not in PARSE_ONLY and "cuda" not in block[0]:
+        if block and block[0][0] not in PARSE_ONLY and "cuda" not in block[0] and block not in out:
             out.append(block)
     return out
 
 
 def test_the_cpu_blocks_are_the_expected_ones():
     firsts = sorted(b[0][0] for b in runnable_blocks())
-    # generate and retention: torch and llama.cpp
-    assert firsts == ["eval", "generate", "generate", "retention", "retention"], firsts
+    # generate: the main job, the README's first runs (torch, llama.cpp), getting-started's, llama.cpp's page;
+    # retention: torch and llama.cpp
+    assert firsts == ["eval", "generate", "generate", "generate", "generate", "generate", "retention",
+                      "retention"], firsts
 
 
 def placeholder(argv: list[str]) -> bool:
@@ -160,14 +172,23 @@ def test_cpu_block_runs_in_small_form(repo_like, capsys, i):
         assert code == 0, f"`epikv {' '.join(small_form(argv))}` exited {code}: {err[-2000:]}"
 
 
-def library_blocks() -> list[str]:
-    """The Python blocks that use the library itself (the `openai` client blocks need a server: see below)."""
-    return [b for b in blocks("python") if "from openai import" not in b]
+def library_blocks(page: str) -> list[str]:
+    """A page's Python blocks that use the library itself (the `openai` client blocks need a server: see below)."""
+    return [b for b in blocks("python", page) if "from openai import" not in b]
 
 
-def test_python_blocks_run_as_written(tmp_path):
-    code = "\n\n".join(library_blocks())
-    assert "inputs" in code and "next_turn" in code
+PYTHON_PAGES = sorted(p for p in PAGES if library_blocks(p))
+
+
+def test_the_python_pages_are_the_expected_ones():
+    assert PYTHON_PAGES == ["README.md", "docs/SERVING.md", "docs/python-api.md"], PYTHON_PAGES
+    assert "next_turn" in "".join(library_blocks("docs/python-api.md"))
+
+
+@pytest.mark.parametrize("page", [p for p in PYTHON_PAGES if p != "docs/SERVING.md"])
+def test_python_blocks_run_as_written(tmp_path, page):
+    code = "\n\n".join(library_blocks(page))
+    assert "inputs" in code
     code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=8", code)
     (tmp_path / "readme_blocks.py").write_text(code, encoding="utf-8")
     r = subprocess.run([sys.executable, str(tmp_path / "readme_blocks.py")], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -177,13 +198,13 @@ def test_python_blocks_run_as_written(tmp_path):
 
 
 def test_openai_client_blocks_run_against_a_server(tiny, monkeypatch):
-    """The Serving section's `openai` client blocks, as written, against `epikv serve`'s app on 127.0.0.1 (a
+    """docs/serve.md's `openai` client blocks, as written, against `epikv serve`'s app on 127.0.0.1 (a
     scripted engine that answers with a reasoning model's text) with --reasoning-parser deepseek-r1."""
     pytest.importorskip("prometheus_client")
     openai = pytest.importorskip("openai")
     from test_serving_app import App, Scripted
 
-    (code,) = [b for b in blocks("python") if "from openai import" in b]
+    (code,) = [b for b in blocks("python", "docs/serve.md") if "from openai import" in b]
     backend = Scripted(tiny.tokenizer, eos=tiny.tokenizer.eos_token_id)
     backend.sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     app = App(backend, tiny.tokenizer, reasoning_parser="deepseek-r1")
@@ -191,7 +212,15 @@ def test_openai_client_blocks_run_against_a_server(tiny, monkeypatch):
         code = code.replace("http://127.0.0.1:8000", app.url).replace("[...]", repr([{"role": "user", "content": "Hi"}]))
         code = code.replace('model="smollm2"', 'model="scripted"')  # the name the scripted server serves
         printed: list = []
-        exec(compile(code, "README.md", "exec"), {"print": lambda *a: printed.extend(a), "__name__": "readme"})
+        exec(compile(code, "docs/serve.md", "exec"), {"print": lambda *a: printed.extend(a), "__name__": "readme"})
     finally:
         app.close()
     assert printed == ["Let me add 2 and 2: that is 4.", "The answer is 4."], printed
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_every_python_block_compiles(page):
+    """Python blocks that only sketch an interface (docs/SERVING.md's, which need a model and a started engine) are
+    at least valid Python; the others run above."""
+    for i, code in enumerate(blocks("python", page)):
+        compile(code, f"{page} python block {i + 1}", "exec")

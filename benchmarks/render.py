@@ -1,0 +1,732 @@
+"""Render every generated block of the README and the docs from its source, so no page restates a number by hand.
+
+A page marks a generated block with a pair of comments::
+
+    <!-- render:NAME -->
+    ...                      (written by this script; edit the renderer, not the page)
+    <!-- /render:NAME -->
+
+NAME is one of RENDERERS below: measured tables from committed raw files under benchmarks/results/ (each followed
+by a line naming its raw file, the date of the commit that last changed it and the command that measured it), the
+CLI reference from the argparse parsers (`cli:COMMAND`), and the policy table from the registry (`policies`).
+
+    python benchmarks/render.py            # rewrite the blocks of README.md and docs/*.md in place
+    python benchmarks/render.py --check    # exit 1 naming each stale block, write nothing (tests/test_docs.py)
+    python benchmarks/render.py --figure   # also redraw docs/img/long-generation.png from its raw file
+
+Bad input (an unknown block name, an unclosed marker, a missing raw file, a page that does not exist) is one line
+on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURE = ROOT / "docs" / "img" / "long-generation.png"
+MARKER = re.compile(r"<!-- render:(?P<name>[\w:.-]+) -->\n(?P<body>.*?)<!-- /render:(?P=name) -->", re.S)
+OPEN = re.compile(r"<!-- render:([\w:.-]+) -->")
+
+
+class RenderError(Exception):
+    """A bad input: reported in one line, exit 2."""
+
+
+# --------------------------------------------------------------------------------------------------- raw files
+
+
+def raw(rel: str) -> Path:
+    path = RESULTS / rel
+    if not path.is_file():
+        raise RenderError(f"raw file benchmarks/results/{rel} is missing")
+    return path
+
+
+def load_json(rel: str) -> dict:
+    try:
+        return json.loads(raw(rel).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise RenderError(f"benchmarks/results/{rel} is not JSON: {e}") from None
+
+
+def load_jsonl(rel: str) -> list[dict]:
+    out = []
+    for i, line in enumerate(raw(rel).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise RenderError(f"benchmarks/results/{rel} line {i} is not JSON") from None
+    return out
+
+
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+
+
+@functools.lru_cache(maxsize=None)
+def shallow() -> bool:
+    """Whether this clone lacks history (git clone --depth): its `git log` dates every file by the newest commit."""
+    try:
+        r = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.stdout.strip() == "true"
+
+
+def committed(rel: str) -> str:
+    """The date (YYYY-MM-DD) of the last commit that changed benchmarks/results/REL."""
+    try:
+        r = subprocess.run(["git", "log", "-1", "--format=%cs", "--", f"benchmarks/results/{rel}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RenderError(f"cannot ask git for the date of benchmarks/results/{rel}: {e}") from None
+    if r.returncode != 0 or not r.stdout.strip():
+        raise RenderError(f"benchmarks/results/{rel} is not committed (git log has no date for it)")
+    return r.stdout.strip()
+
+
+def source_line(files: list[str], command: str) -> str:
+    names = ", ".join(f"`benchmarks/results/{f}` ({committed(f)})" for f in files)
+    return f"Rendered by `python benchmarks/render.py` from {names}; measured with `{command}`."
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def f1(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def f2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+# -------------------------------------------------------------------------------------------- measured tables
+
+
+def llamacpp_step() -> str:
+    f = "llamacpp/step.json"
+    d = load_json(f)
+    rows = [[r["config"], f"{r['tokens_per_s']:.2f}", f"{r['time_vs_plain_whole']:.3f}",
+             f"{r['time_vs_plain_held']:.3f}"] for r in d["rows"]]
+    head = ["decode, K = %d, %d new tokens, %d thread" % (d["budget"], d["rows"][0]["tokens"], d["threads"]),
+            "tok/s", "time vs plain, whole cache", "time vs plain held at K"]
+    load = ", ".join(f"{x:.2f}" for x in d["load_average"])
+    return (table(head, rows) + f"\n\nLoad average at the end of the run: {load} on {d['cpus']} cores.\n\n"
+            + source_line([f], d["command"]))
+
+
+def llamacpp_capture() -> str:
+    f = "llamacpp/capture.json"
+    d = load_json(f)
+    rows = [[r["config"], f"{r['tokens_per_s']:.2f}", f"{r['time_vs_no_callback']:.4f}"] for r in d["rows"]]
+    head = [f"bare loop, whole cache, {d['gen']} tokens", "tok/s", "time vs no callback"]
+    return (table(head, rows) + f"\n\nThe scheduler asks the callback about {d['asks_per_forward']:.0f} graph nodes "
+            "a forward.\n\n" + source_line([f], d["command"]))
+
+
+def _segments(n: int, seg: int) -> list[str]:
+    return [f"{i * seg + 1}-{(i + 1) * seg}" for i in range(n)]
+
+
+def llamacpp_long() -> str:
+    f = "llamacpp/long.json"
+    d = load_json(f)
+    names = {("llama.cpp", "epikv"): "epikv in llama.cpp, K = %s",
+             ("llama.cpp", "full"): "plain llama.cpp, whole cache",
+             ("torch", "epikv"): "epikv, torch engine (float32), K = %s"}
+    n = len(d["rows"][0]["segments_tok_s"])
+    head = ["tok/s per %d tokens" % d["segment"]] + _segments(n, d["segment"]) + ["KV bytes", "peak RSS (MiB)"]
+    rows = []
+    for r in d["rows"]:
+        name = names[(r["engine"], r["policy"])]
+        name = name % r["budget"] if "%s" in name else name
+        rows.append([name] + [f1(x) for x in r["segments_tok_s"]] + [f"{r['kv_bytes'] / 1e6:.1f} MB",
+                                                                     f1(r["peak_rss_mib"])])
+    rows.append(["epikv llama.cpp / plain"] + [f2(x) for x in d["epikv_over_full_per_segment"]] + ["", ""])
+    return (table(head, rows) + "\n\nEach configuration in its own process, one after the other.\n\n"
+            + source_line([f], d["command"]))
+
+
+def llamacpp_interleaved() -> str:
+    f = "llamacpp/interleaved.json"
+    d = load_json(f)
+    seg = d["segments_tok_s"]
+    n = len(next(iter(seg.values())))
+    head = ["tok/s per %d tokens" % d["segment"]] + _segments(n, d["segment"])
+    rows = [[k + (f", K = {d['budget']}" if k.startswith("epikv") else "")] + [f2(x) for x in v]
+            for k, v in seg.items()]
+    rows.append(["epikv / plain"] + [f2(x) for x in d["epikv_over_full_per_segment"]])
+    return (table(head, rows) + "\n\nThe two configurations alternate segment by segment in one process.\n\n"
+            + source_line([f], d["command"]))
+
+
+def _serve_rows(rel: str) -> list[dict]:
+    return [r for r in load_jsonl(rel) if r.get("kind") == "serve"]
+
+
+def serve_engines() -> str:
+    files = ["serve/engines/llama.cpp/results.jsonl", "serve/engines/torch/results.jsonl"]
+    cols = []
+    for f in files:
+        rows = sorted(_serve_rows(f), key=lambda r: (r["budget"] is not None, r["budget"] or 0))
+        cols += rows
+    head = ["32 requests x %d tokens at once" % cols[0]["max_tokens"]] + [
+        f"{r['engine']} {'full' if r['budget'] is None else 'K=%d' % r['budget']}" for r in cols]
+
+    def in_flight(r):
+        if not r["cache_full_steps"]:
+            return f"never full: {r['max_in_flight']}"
+        return f"{r['in_flight_cache_full_mean']:.2f}"
+
+    def done(r):
+        return f"{r['completed']} of {r['requests']}"
+
+    def kv(r):
+        return f"{r['peak_cells']} / {r['cells']} cells" if r["engine"] == "llama.cpp" else \
+            f"{r['peak_pages']} / {r['num_blocks']} pages"
+
+    def lat(r):
+        return "-" if not r["completed"] else f"{r['latency_p50_s']:.1f} / {r['latency_p95_s']:.1f}"
+
+    def ttft(r):
+        return "-" if r.get("ttft_p50_s") is None or not r["completed"] else f"{r['ttft_p50_s']:.1f}"
+
+    body = [["requests in flight while the cache was full"] + [in_flight(r) for r in cols],
+            ["aggregate tokens/s"] + [f2(r["tokens_per_s"]) for r in cols],
+            ["completed"] + [done(r) for r in cols],
+            ["latency p50 / p95 (s)"] + [lat(r) for r in cols],
+            ["time to first token p50 (s)"] + [ttft(r) for r in cols],
+            ["preemptions"] + [str(r["preemptions"]) for r in cols],
+            ["peak KV in use"] + [kv(r) for r in cols],
+            ["wall time of the row (s)"] + [f1(r["wall_s"]) for r in cols]]
+    return table(head, body) + "\n\n" + source_line(files, "bash benchmarks/results/serve/engines/run.sh")
+
+
+def _serve_table(rel: str, command: str, what: str) -> str:
+    rows = sorted(_serve_rows(rel), key=lambda r: (r["budget"] is not None, r["budget"] or 0))
+
+    def in_flight(r):
+        if not r.get("cache_full_steps"):
+            return f"never full: {r['max_in_flight']}"
+        return f"{r['in_flight_cache_full_mean']:.2f}"
+
+    body = [[r["label"], f"{r['completed']} of {r['requests']}", f2(r["tokens_per_s"]), in_flight(r),
+             str(r["preemptions"]), f"{r['peak_pages']} / {r['num_blocks']}", f1(r["wall_s"])] for r in rows]
+    head = [what, "completed", "aggregate tokens/s", "in flight while the cache was full", "preemptions",
+            "peak pages / pages", "wall (s)"]
+    return table(head, body) + "\n\n" + source_line([rel], command)
+
+
+def serve_h200() -> str:
+    return _serve_table("serve/gpu-h200/results.jsonl",
+                        "ROW_TIMEOUT=370 EQ_BATCH=8 EQ_TOKENS=64 bash benchmarks/results/serve/gpu-h200/run.sh"
+                        " (its README)",
+                        "SmolLM2 bf16 on one H200, 808 pages of 16, 32 x 3072 tokens, rows cut at 370 s")
+
+
+def serve_sampled() -> str:
+    return _serve_table("serve/sampled/results.jsonl", "bash benchmarks/results/serve/sampled/run.sh",
+                        "SmolLM2 on the CPU, 232 pages of 16, 12 x 768 tokens, sampled (T 0.6, top-p 0.95)")
+
+
+def soak() -> str:
+    files = ["serve/soak/figures.json", "serve/soak/llamacpp.json"]
+    t, l = load_json(files[0]), load_json(files[1])
+    head = ["soak (random lengths, a third streamed, dropped and malformed requests)", "torch engine",
+            "llama.cpp engine"]
+
+    def g(d, *keys):
+        for k in keys:
+            if k in d:
+                return d[k]
+        return None
+
+    rows = []
+    for label, keys, fmt in [("requests after warm-up", ("requests",), str), ("warm-up requests", ("warmup",), str),
+                             ("seconds for the soak", ("soak_seconds",), f1), ("failed", ("failed",), str),
+                             ("RSS after warm-up (MiB)", ("rss_after_warmup_mib",), f1),
+                             ("RSS after the soak (MiB)", ("rss_after_soak_mib",), f1),
+                             ("RSS ratio", ("rss_ratio",), lambda x: f"{x:.3f}"),
+                             ("health-check failures", ("health_failures",), str)]:
+        a, b = g(t, *keys), g(l, *keys)
+        rows.append([label, "-" if a is None else fmt(a), "-" if b is None else fmt(b)])
+    return table(head, rows) + "\n\n" + source_line(files, "bash benchmarks/results/serve/soak/run.sh")
+
+
+def bench_long() -> str:
+    f = "bench/long_smollm2_8192_cpu.json"
+    d = load_json(f)
+    pts = [p for p in d["long"] if p.get("status") == "ok"]
+    by = {}
+    for p in pts:
+        by.setdefault((p["policy"], p["budget"]), []).append(p)
+    lengths = sorted({p["generated"] for p in pts})
+    head = ["SmolLM2, float32, CPU: tok/s of the segment ending at"] + [str(n) for n in lengths] + ["KV buffers (MiB)"]
+    rows = []
+    for (pol, k), ps in sorted(by.items(), key=lambda kv: kv[0][0]):
+        seg = {p["generated"]: p for p in ps}
+        rows.append([pol if k is None else f"{pol}, K = {k}"]
+                    + [f2(seg[n]["segment_tokens_per_s"]) if n in seg else "-" for n in lengths]
+                    + [f1(max(p["kv_buffer_mib"] for p in ps))])
+    cmd = ("epikv bench speed --model smollm2 --threads 1 --policies full --gen-tokens 32 --round-steps 32 "
+           "--budgets 1024 --long-policies epikv,full --long-budget 1024 --long-lengths 1024,2048,4096,8128 "
+           "--cap-gib 6 "
+           "--out benchmarks/results/bench/long_smollm2_8192_cpu.json")
+    prompt = d["budgets"][0]["prompt_tokens"]
+    return (table(head, rows) + f"\n\nA {prompt}-token prompt; tokens/s of each segment between checkpoints.\n\n"
+            + source_line([f], cmd))
+
+
+def bench_overhead() -> str:
+    f = "bench/overhead/speed_smollm2_k512_k2048_final.json"
+    d = load_json(f)
+    budgets = d["budgets"]
+    labels = [c["label"] for c in budgets[0]["configs"]]
+    head = ["SmolLM2-135M, CPU, float32, 1 thread: ms / token (vs full; vs transformers)"] + [
+        f"K = {b['budget']}" for b in budgets]
+    rows = []
+    for lab in labels:
+        row = [lab]
+        for b in budgets:
+            ms = {c["label"]: c["ms_per_token"] for c in b["configs"]}
+            x, full, tf = ms[lab], ms["full"], ms["transformers"]
+            row.append(f"{x:.1f} ({(x / full - 1) * 100:+.1f} %; {(x / tf - 1) * 100:+.1f} %)")
+        rows.append(row)
+    b0 = budgets[0]
+    cmd = ("epikv bench speed --model smollm2 --policies full,epikv,streaming --budgets 512,2048 --taus 1,128 "
+           "--gen-tokens 1024 --no-long --threads 1 --out " + d["settings"]["out"])
+    return (table(head, rows) + f"\n\nMedians over {b0['rounds']} rounds of {b0['round_steps']} steps, "
+            "configurations taking turns in one process; `full` and `transformers` (its `generate` continuing a "
+            "`DynamicCache`) grow from K - 512 to K + 512, the evicting rows hold K.\n\n" + source_line([f], cmd))
+
+
+def pages_cost() -> str:
+    f = "pages/results.jsonl"
+    recs = [r for r in load_jsonl(f) if r.get("kind") == "retention" and r.get("budget") is not None]
+    by: dict[str, dict[str, dict]] = {}
+    for r in recs:
+        by.setdefault(r["policy"], {})[r["trace_id"]] = r
+    ref = by.get("epikv")
+    if not ref:
+        raise RenderError(f"benchmarks/results/{f} has no epikv records")
+    names = {"epikv": "tokens (`epikv`)"}
+    order = ["epikv"] + sorted((p for p in by if p != "epikv"), key=lambda p: int(re.sub(r"\D", "", p) or 0))
+    rows = []
+    for p in order:
+        mine = by[p]
+        both = sorted(set(mine) & set(ref))
+        nll = statistics.fmean(mine[t]["answer_nll_increase"] for t in both)
+        top1 = statistics.fmean(mine[t]["top1_agreement"] for t in both) * 100
+        ev = statistics.fmean(mine[t]["evictions"] for t in both)
+        if p == "epikv":
+            d_nll = d_top = ""
+        else:
+            dn = statistics.fmean(mine[t]["answer_nll_increase"] - ref[t]["answer_nll_increase"] for t in both)
+            wins = sum(mine[t]["answer_nll_increase"] < ref[t]["answer_nll_increase"] for t in both)
+            dt = statistics.fmean(mine[t]["top1_agreement"] - ref[t]["top1_agreement"] for t in both) * 100
+            d_nll, d_top = f"{dn:+.3f}, better on {wins}/{len(both)}", f"{dt:+.1f}"
+        rows.append([names.get(p, p.replace("epikv-page", "pages of ")), f"{nll:.3f}", d_nll, f"{top1:.1f}", d_top,
+                     f"{ev:.0f}"])
+    k = recs[0]["budget"]
+    head = [f"K = {k}, tau {recs[0]['tau']}, {len(ref)} traces", "answer-NLL increase over full (nats/token)",
+            "paired vs tokens", "top-1 agreement %", "paired vs tokens (points)", "evictions / trace"]
+    return table(head, rows) + "\n\n" + source_line([f], "bash benchmarks/results/pages/run.sh")
+
+
+def bench_memory() -> str:
+    f = "bench/memory_tiny_cpu.json"
+    d = load_json(f)
+    modes = {"eager+attn": "eager attention + attention weights", "sdpa+hidden": "SDPA + hidden states at two blocks"}
+    by = {(p["mode"], p["n"]): p for p in d["points"]}
+
+    def cell(p):
+        if p is None:
+            return "-"
+        if p["status"] == "ok":
+            return f"{p['peak_gib']:.3f} GiB"
+        return p["status"]
+
+    head = [f"one forward pass of n tokens, {d['model']}, cap {d['cap_gib']:.0f} GiB: peak memory"] + [
+        str(n) for n in d["lengths"]]
+    rows = [[modes.get(m, m)] + [cell(by.get((m, n))) for n in d["lengths"]] for m in modes]
+    cmd = ("epikv bench memory --model random:tiny --threads 1 --lengths " + ",".join(map(str, d["lengths"]))
+           + f" --cap-gib {d['cap_gib']:.0f} --out benchmarks/results/bench/memory_tiny_cpu.json")
+    return (table(head, rows) + "\n\nEach point in a child process under a hard cap; `oom`: the allocation was "
+            "refused, `skipped`: a shorter length already failed.\n\n" + source_line([f], cmd))
+
+
+def bench_throughput() -> str:
+    f = "bench/throughput/smollm2_cpu.json"
+    d = load_json(f)
+    pts = [p for p in d["points"] if p.get("full_request_set")]
+    full = next(p for p in pts if p["policy"] == "full")
+    head = [f"{d['requests']} requests x {d['new_tokens']} tokens, KV cap {d['cap_mib']:.0f} MiB, {d['model']}, CPU",
+            "largest batch under the cap", "aggregate tokens/s", "time for all requests (s)", "vs full's time",
+            "KV peak (MiB)"]
+    rows = [[p["label"], str(p["batch"]), f2(p["aggregate_tokens_per_s"]), f1(p["time_all_requests_s"]),
+             f"{p['time_all_requests_s'] / full['time_all_requests_s']:.2f}x", f1(p["kv_peak_bytes"] / 2**20)]
+            for p in pts]
+    cmd = raw("bench/throughput/command.txt").read_text(encoding="utf-8").strip().removeprefix("exec ")
+    return (table(head, rows) + "\n\nStatic batches (a request keeps its slot until its batch ends); the machine "
+            "was loaded during this run: `benchmarks/results/bench/throughput/README.md`.\n\n"
+            + source_line([f], cmd))
+
+
+def serve_equal_batch() -> str:
+    f = "serve/cpu-equal-batch-evicting/results.jsonl"
+    recs = load_jsonl(f)
+    repeats = sorted({r["repeat"] for r in recs})
+    labels = list(dict.fromkeys(r["label"] for r in recs))
+    by = {(r["label"], r["repeat"]): r for r in recs}
+    r0 = recs[0]
+    head = [f"batch {r0['batch']}, {r0['prompt']} + {r0['new']} tokens, {r0['preset']}, CPU: ms / step (vs full)"] + [
+        f"repeat {k + 1}" for k in repeats] + ["peak pages"]
+    rows = []
+    for lab in labels:
+        engine = by[(lab, repeats[0])]["engine"]
+        row = [lab if "generate" in lab else f"{lab} ({engine})"]
+        for k in repeats:
+            r, full = by[(lab, k)], by[("full", k)]
+            row.append(f"{r['ms_per_step']:.1f} ({r['ms_per_step'] / full['ms_per_step']:.3f}x)")
+        row.append(str(by[(lab, repeats[0])].get("peak_pages") or "-"))
+        rows.append(row)
+    cmd = ("OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_equal_batch.py --preset smollm2-135m --device cpu "
+           "--dtype float32 --batch 4 --prompt 64 --new 448 --budgets 128,256 --page 16 --max-batch-tokens 256 "
+           "--repeats 2 --out benchmarks/results/serve/cpu-equal-batch-evicting/results.jsonl")
+    return (table(head, rows) + "\n\nThe two repeats ran under a varying load and disagree by more than the "
+            "differences between policies: read no step-cost conclusion from them beyond that.\n\n"
+            + source_line([f], cmd))
+
+
+def _retention_records() -> tuple[list[str], dict]:
+    files = ["retention-full/tau16/results.jsonl", "retention-full/tau128/results.jsonl"]
+    cells: dict[tuple[str, int], dict[str, float]] = {}
+    for f in files:
+        for r in load_jsonl(f):
+            if r.get("kind") != "retention" or r.get("budget") is None:
+                continue
+            label = r["policy"]
+            if r.get("settings"):
+                label += "[" + ",".join(f"{k}={v}" for k, v in sorted(r["settings"].items())) + "]"
+            if r["tau"] != 16 and r["policy"] in ("epikv",):
+                label += f"@tau={r['tau']}"
+            cells.setdefault((label, r["budget"]), {})[r["trace_id"]] = r["answer_nll_increase"]
+    return files, cells
+
+
+def retention_vs_random() -> str:
+    files, cells = _retention_records()
+    budgets = sorted({k for _, k in cells})
+    labels = sorted({p for p, _ in cells} - {"random"})
+    out = []
+    for p in labels:
+        row, key = [p], None
+        for k in budgets:
+            mine, ref = cells.get((p, k)), cells.get(("random", k))
+            if not mine or not ref:
+                row.append("-")
+                continue
+            both = sorted(set(mine) & set(ref))
+            diff = statistics.fmean(mine[t] - ref[t] for t in both)
+            wins = sum(mine[t] < ref[t] for t in both)
+            row.append(f"{statistics.fmean(mine.values()):.3f} ({diff:+.3f}; {wins}/{len(both)})")
+            if k == 1024:
+                key = diff
+        out.append((key if key is not None else 9.0, row))
+    rows = [r for _, r in sorted(out, key=lambda x: x[0])]
+    rows.append(["random"] + [f"{statistics.fmean(cells[('random', k)].values()):.3f}" if ("random", k) in cells
+                              else "-" for k in budgets])
+    head = ["answer-NLL increase over the whole cache, nats/token (vs random; traces better than random)"] + [
+        f"K = {k}" for k in budgets]
+    return (table(head, rows) + "\n\nMean over the traces; in brackets the mean paired difference from `random` at "
+            "the same budget (negative: less answer likelihood lost than random) and on how many traces the policy "
+            "lost less. Sorted by the difference at K = 1024. `epikv@tau=128` is `epikv` on the Seg family's "
+            "schedule.\n\n" + source_line(files, "bash benchmarks/results/retention-full/run.sh A; ... C; ... D"))
+
+
+def headline() -> str:
+    """The README's few headline figures, each from its raw file, each linking to its page."""
+    inter = load_json("llamacpp/interleaved.json")
+    step = load_json("llamacpp/step.json")
+    eng = {(r["engine"], r["budget"]): r for f in ("serve/engines/llama.cpp/results.jsonl",)
+           for r in _serve_rows(f)}
+    _, cells = _retention_records()
+    long8k = load_json("bench/long_smollm2_8192_cpu.json")
+
+    seg = inter["segments_tok_s"]
+    (ep, ep_v), (pl, pl_v) = [(k, v) for k, v in seg.items() if k.startswith("epikv")][0], \
+        [(k, v) for k, v in seg.items() if not k.startswith("epikv")][0]
+    held = next(r for r in step["rows"] if r["config"].startswith("epikv llama.cpp (C"))
+    full, k512 = eng[("llama.cpp", None)], eng[("llama.cpp", 512)]
+
+    def paired(p, k=1024):
+        mine, ref = cells[(p, k)], cells[("random", k)]
+        both = sorted(set(mine) & set(ref))
+        return statistics.fmean(mine[t] - ref[t] for t in both), sum(mine[t] < ref[t] for t in both), len(both)
+
+    e_d, e_w, e_n = paired("epikv")
+    q_d, q_w, q_n = paired("epikv-seg-q")
+    last = {p["policy"]: p for p in long8k["long"] if p["status"] == "ok" and p["generated"] == max(
+        q["generated"] for q in long8k["long"] if q["status"] == "ok")}
+    rows = [
+        ["llama.cpp, 6,000-token generation (SmolLM2 Q4_1, CPU, 1 thread)",
+         f"tokens {inter['gen'] - inter['segment'] + 1}-{inter['gen']}: {ep_v[-1]:.2f} tok/s at K = {inter['budget']}"
+         f" against {pl_v[-1]:.2f} with the whole cache ({inter['epikv_over_full_per_segment'][-1]:.2f}x)",
+         "[llama.cpp engine](docs/llamacpp.md#speed)"],
+        ["llama.cpp, cost of an evicting step (K = %d)" % step["budget"],
+         f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
+         "[llama.cpp engine](docs/llamacpp.md#speed)"],
+        ["`epikv serve --engine llama.cpp`, 32 x %d tokens in one cache" % full["max_tokens"],
+         f"{k512['in_flight_cache_full_mean']:.2f} requests in flight at K = 512 against "
+         f"{full['in_flight_cache_full_mean']:.2f}"
+         f" for the whole cache ({k512['in_flight_cache_full_mean'] / full['in_flight_cache_full_mean']:.2f}x)",
+         "[serving](docs/serve.md#both-engines-one-load)"],
+        ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
+         f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
+         f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache",
+         "[benchmarks](docs/benchmarks.md#generation-to-the-context-limit-torch-engine)"],
+        [f"retention on {e_n} whole reasoning traces, K = 1024 (answer NLL vs random eviction)",
+         f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
+         "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
+    ]
+    files = ["llamacpp/interleaved.json", "llamacpp/step.json", "serve/engines/llama.cpp/results.jsonl",
+             "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
+             "retention-full/tau128/results.jsonl"]
+    dates = sorted({committed(f) for f in files})
+    return (table(["what", "measured", "details"], rows)
+            + f"\n\nRendered by `python benchmarks/render.py` from `benchmarks/results/` (raw files committed "
+            f"{dates[0]} to {dates[-1]}); each page names its file and command.")
+
+
+# ---------------------------------------------------------------------------------------- parsers and registry
+
+
+def _escape(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _sub(parser: argparse.ArgumentParser):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return a
+    return None
+
+
+def _command_parser(path: list[str]) -> argparse.ArgumentParser:
+    sys.path.insert(0, str(ROOT / "src"))
+    from epikv.cli import build_parser
+
+    p = build_parser()
+    for word in path:
+        sub = _sub(p)
+        if sub is None or word not in sub.choices:
+            raise RenderError(f"render:cli:{' '.join(path)}: `epikv` has no command {' '.join(path)}")
+        p = sub.choices[word]
+    return p
+
+
+def _option_rows(p: argparse.ArgumentParser) -> list[list[str]]:
+    rows = []
+    for a in p._actions:
+        if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        if a.option_strings:
+            name = ", ".join(f"`{o}`" for o in a.option_strings)
+            if a.nargs != 0:
+                meta = a.metavar or ("{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.dest.upper())
+                name += f" `{meta if isinstance(meta, str) else ' '.join(meta)}`"
+        else:
+            name = f"`{a.metavar or a.dest}` (positional)"
+        default = "" if a.default in (None, argparse.SUPPRESS) or a.nargs == 0 else f"`{a.default}`"
+        if a.required and a.option_strings:
+            default = "required"
+        help_text = (a.help or "") if a.help != argparse.SUPPRESS else ""
+        try:
+            help_text = help_text % {**vars(a), "default": a.default, "prog": p.prog}
+        except (KeyError, TypeError, ValueError):
+            pass
+        rows.append([name, default, _escape(help_text)])
+    return rows
+
+
+def cli(path: list[str]) -> str:
+    p = _command_parser(path)
+    sub = _sub(p)
+    out = []
+    if p.description:
+        out.append(_escape(p.description) + "\n")
+    if sub is not None:
+        helps = {c.dest: c.help for c in sub._choices_actions}
+        out.append(table(["subcommand", "what it does"],
+                         [[f"`epikv {' '.join(path)} {n}`", _escape(helps.get(n, ""))] for n in sub.choices]) + "\n")
+    rows = _option_rows(p)
+    if rows:
+        out.append(table(["option", "default", "help"], rows) + "\n")
+    out.append(f"Rendered by `python benchmarks/render.py` from `epikv {' '.join(path)} --help`'s parser.")
+    return "\n".join(out)
+
+
+def policies() -> str:
+    sys.path.insert(0, str(ROOT / "src"))
+    r = subprocess.run([sys.executable, "-m", "epikv.cli", "policies", "--json"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=_env())
+    if r.returncode != 0:
+        raise RenderError(f"`epikv policies --json` failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    items = json.loads(r.stdout)
+    items = items if isinstance(items, list) else items.get("policies", items)
+    rows = []
+    for it in items:
+        doc = (it.get("doc") or "").strip().splitlines()
+        tau = (it.get("defaults") or {}).get("tau")
+        rows.append([f"`{it['name']}`", "yes" if it.get("attention_free") else "no", it.get("granularity", ""),
+                     _escape(it.get("observes", "")), "" if tau is None else str(tau), _escape(doc[0] if doc else ""),
+                     _escape(it.get("paper") or "")])
+    return table(["policy", "attention-free", "keep sets", "observes (30-block model)", "default tau", "what it does",
+                  "from"], rows) + \
+        "\n\nRendered by `python benchmarks/render.py` from `epikv policies --json` (the registry, no plugins)."
+
+
+def _env() -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "EPIKV_POLICIES"}  # the registry as shipped, no plugins
+    env["PYTHONPATH"] = str(ROOT / "src") + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+RENDERERS = {
+    "headline": headline,
+    "retention-vs-random": retention_vs_random,
+    "llamacpp-step": llamacpp_step,
+    "llamacpp-capture": llamacpp_capture,
+    "llamacpp-long": llamacpp_long,
+    "llamacpp-interleaved": llamacpp_interleaved,
+    "serve-engines": serve_engines,
+    "soak": soak,
+    "serve-h200": serve_h200,
+    "serve-sampled": serve_sampled,
+    "bench-long": bench_long,
+    "bench-overhead": bench_overhead,
+    "pages": pages_cost,
+    "bench-memory": bench_memory,
+    "bench-throughput": bench_throughput,
+    "serve-equal-batch": serve_equal_batch,
+    "policies": policies,
+}
+
+
+def render_block(name: str) -> str:
+    if name.startswith("cli:"):
+        return cli(name[4:].split(".")) if name != "cli:" else cli([])
+    if name == "cli":
+        return cli([])
+    if name not in RENDERERS:
+        raise RenderError(f"unknown block render:{name} (known: {', '.join(RENDERERS)}, cli, cli:COMMAND)")
+    return RENDERERS[name]()
+
+
+def render_page(text: str, page: str, cache: dict) -> str:
+    opened = OPEN.findall(text)
+    closed = re.findall(r"<!-- /render:([\w:.-]+) -->", text)
+    if sorted(opened) != sorted(closed):
+        raise RenderError(f"{page}: unbalanced render markers ({len(opened)} open, {len(closed)} closed)")
+
+    def sub(m):
+        name = m.group("name")
+        if name not in cache:
+            cache[name] = render_block(name)
+        return f"<!-- render:{name} -->\n{cache[name]}\n<!-- /render:{name} -->"
+
+    out = MARKER.sub(sub, text)
+    if len(MARKER.findall(out)) != len(opened):
+        raise RenderError(f"{page}: a render marker is nested or malformed")
+    return out
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def figure(out: Path = FIGURE) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = load_json("llamacpp/interleaved.json")
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for name, v in d["segments_tok_s"].items():
+        xs = [(i + 1) * d["segment"] for i in range(len(v))]
+        label = f"{name}, K = {d['budget']}" if name.startswith("epikv") else name
+        ax.plot(xs, v, marker="o", label=label)
+    ax.set_xlabel("generated tokens (end of each 1,000-token segment)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("SmolLM2-135M Q4_1 in llama.cpp, 1 CPU thread (interleaved.json)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, metadata={"Software": None})
+    plt.close(fig)
+    return out
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"render.py: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(description="Render the generated blocks of README.md and docs/*.md from their sources.")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each page that differs")
+    ap.add_argument("--figure", action="store_true", help="also redraw docs/img/long-generation.png")
+    ap.add_argument("pages", nargs="*", help="pages to render (default: README.md and docs/**/*.md)")
+    args = ap.parse_args(argv)
+    try:
+        targets = [Path(p).resolve() for p in args.pages] or pages()
+        for t in targets:
+            if not t.is_file():
+                raise RenderError(f"no such page: {t}")
+        cache: dict[str, str] = {}
+        stale = []
+        for t in targets:
+            try:
+                text = t.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise RenderError(f"{t} is not UTF-8") from None
+            new = render_page(text, str(t.relative_to(ROOT) if t.is_relative_to(ROOT) else t), cache)
+            # a shallow clone cannot date the raw files: --check then compares everything but the dates
+            if new != text and not (args.check and shallow() and DATE.sub("D", new) == DATE.sub("D", text)):
+                stale.append(t)
+                if not args.check:
+                    t.write_text(new, encoding="utf-8")
+        if args.figure and not args.check:
+            figure()
+    except RenderError as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 2
+    if args.check and stale:
+        print("render.py: stale generated blocks in " + ", ".join(str(s.relative_to(ROOT)) for s in stale)
+              + ": run python benchmarks/render.py", file=sys.stderr)
+        return 1
+    for s in stale:
+        print(f"rendered {s.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
