@@ -232,6 +232,12 @@ class Decoder:
         self.policy = self.cache.policy
         self._kw = cache_kwarg(model)
         self.device = self.cache.home
+        self.budget, self.tau = self.cache.budget, self.cache.tau
+        self.host_sync = False  # logits on a device: decode_loop batches its host reads
+
+    def cache_stats(self) -> dict:
+        """max_cache_tokens, final_cache_tokens, evictions (host ints: no device sync)."""
+        return self.cache.stats()
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         if self.cache.feeds_one_at_a_time(ids.shape[1]):
@@ -423,66 +429,104 @@ def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[
     check_context(model, pol, budget, max(len(x) for x in batch), max_new_tokens, allow_beyond_context)
     with torch.inference_mode(), attention_for(model, pol):
         dec = Decoder(model, pol, budget)
-        dev = dec.device
-        sampler = Sampler(sampling, seeds, ids, n_pad, max_new_tokens, dev)
-        out = sampler.out  # [batch, max_new_tokens]
-        eos_t = torch.tensor(eos or [-1], device=dev)
-        b = ids.shape[0]
-        clock = _Clock(dev)
-        t0, h0 = clock.mark(), time.perf_counter()
-        logits = dec.prefill(ids, n_pad, chunk=prefill_chunk)
-        t_pre, h_pre = clock.mark(), time.perf_counter() - h0
-        finished = torch.zeros(b, dtype=torch.bool, device=dev)
-        # Host reads are batched: every step when streaming or checking stop strings, else every 16 steps. So the
-        # loop may run up to 15 steps past the end; each step's cache statistics and clock mark are kept (host ints
-        # and an event, no sync) and the result reports them as of the true last step.
-        sync_every = 1 if (on_step or stop) else 16
-        # with stop strings, row 0's stream holds back what may begin one (epikv.stops: the one rule)
-        stream = StopStream(lambda r: tokenizer.decode(r, skip_special_tokens=True), stop) if stop else None
-        host_tokens: list[list[int]] = [[] for _ in range(b)]
-        reasons = ["length"] * b
-        synced = [0]  # decode steps already copied to the host
-        marks: list[tuple[dict, object]] = []  # per step since `first`: (cache stats, clock mark) once it is chosen
-        first = 0
-        for step in range(max_new_tokens):
-            nxt = sampler(logits, step).to(dev)
-            nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
-            out[:, step] = nxt
-            marks.append((dec.cache.stats(), clock.mark()))
-            finished = finished | torch.isin(nxt, eos_t)
-            last = step == max_new_tokens - 1
-            if (step + 1) % sync_every == 0 or last:
-                fin_host = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tokenizer, stop)
-                if on_step:
-                    elapsed = time.perf_counter() - h0 - h_pre
-                    new_text = (stream.step(_trim(host_tokens[0], eos), fin_host[0] or last) if stream
-                                else _new_text(tokenizer, host_tokens[0]))
-                    on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=new_text,
-                                     cache_tokens=marks[-1][0]["final_cache_tokens"],
-                                     evictions=marks[-1][0]["evictions"], tokens_per_s=live_rate(step + 1, elapsed)))
-                if all(fin_host) or last:
-                    break
-                finished = torch.tensor(fin_host, device=dev) | finished
-                if not stop:  # rows still running end after this step: older marks are no longer needed
-                    first, marks = step + 1, []  # (a stop string may end a row some tokens back: keep them)
-            logits = dec.step(nxt[:, None])
-        token_ids = [_trim(row, eos) for row in host_tokens]
-        texts = []
-        for i, row in enumerate(token_ids):  # a stop string cuts text and ids alike (epikv.stops)
-            text, token_ids[i], _ = cut_at_stop(lambda r: tokenizer.decode(r, skip_special_tokens=True), row, stop)
-            texts.append(text)
-        end = max(len(r) for r in token_ids) - 1  # the batch's true last step: its last row's final token
-        cache_stats, t_end = marks[max(end, 0) - first]
-        seconds, t_prefill = clock.between(t0, t_end), clock.between(t0, t_pre)
-    n_new = sum(len(r) for r in token_ids)
-    decode_s = max(seconds - t_prefill, 1e-9)
-    # seconds = prefill_seconds + decode_seconds; tokens_per_s over all of it, decode_tokens_per_s over the decode
-    stats = dict(cache_stats, prompt_tokens=[len(x) for x in batch], new_tokens=[len(r) for r in token_ids],
-                 seconds=seconds, prefill_seconds=t_prefill, decode_seconds=seconds - t_prefill, decode_steps=end + 1,
-                 tokens_per_s=n_new / max(seconds, 1e-9), decode_tokens_per_s=n_new / decode_s,
-                 policy=dec.policy.name, budget=dec.cache.budget, tau=dec.cache.tau, seeds=seeds)
-    return GenerationResult(texts=texts, token_ids=token_ids, prompt_tokens=[len(x) for x in batch],
-                            finish_reasons=reasons, stats=stats)
+        run = decode_loop(dec, tokenizer, ids, n_pad, sampling=sampling, seeds=seeds, max_new_tokens=max_new_tokens,
+                          eos=eos, stop=stop, pad_id=pad_id, on_step=on_step, prefill_chunk=prefill_chunk)
+    return run.result([len(x) for x in batch], seeds)
+
+
+@dataclass
+class DecodeRun:
+    """What decode_loop returns: the texts and ids (cut at EOS and stop strings), why each row ended, and the
+    cache statistics and times as of the last token returned."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    cache_stats: dict
+    seconds: float
+    prefill_seconds: float
+    decode_steps: int
+    policy: str
+    budget: int | None
+    tau: int
+
+    def result(self, prompt_tokens: list[int], seeds: list[int], **extra) -> "GenerationResult":
+        n_new = sum(len(r) for r in self.token_ids)
+        seconds, t_prefill = self.seconds, self.prefill_seconds
+        # seconds = prefill_seconds + decode_seconds; tokens_per_s over all of it, decode_tokens_per_s over the decode
+        stats = dict(self.cache_stats, prompt_tokens=prompt_tokens, new_tokens=[len(r) for r in self.token_ids],
+                     seconds=seconds, prefill_seconds=t_prefill, decode_seconds=seconds - t_prefill,
+                     decode_steps=self.decode_steps, tokens_per_s=n_new / max(seconds, 1e-9),
+                     decode_tokens_per_s=n_new / max(seconds - t_prefill, 1e-9), policy=self.policy,
+                     budget=self.budget, tau=self.tau, seeds=seeds, **extra)
+        return GenerationResult(texts=self.texts, token_ids=self.token_ids, prompt_tokens=prompt_tokens,
+                                finish_reasons=self.finish_reasons, stats=stats)
+
+
+def decode_loop(dec, tokenizer, ids: torch.Tensor, n_pad: Sequence[int], *, sampling: Sampling, seeds: Sequence[int],
+                max_new_tokens: int, eos: Sequence[int], stop: Sequence[str], pad_id: int,
+                on_step: Callable[[StepInfo], None] | None = None, prefill_chunk: int | None = None) -> DecodeRun:
+    """The one decoding loop of every engine: prefill, then sample and feed one token a row a step until each row
+    ends (EOS, a stop string, max_new_tokens), streaming through on_step; statistics as of the last token returned.
+
+    `dec` is any engine's decoder: `device`, `prefill(ids [b, P], n_pad, chunk)` and `step(ids [b, 1])` returning
+    next-token logits [b, vocab], `cache_stats()` (max_cache_tokens, final_cache_tokens, evictions), `policy`,
+    `budget`, `tau`, and `host_sync` (True: read every step's tokens at once, an engine whose logits are on the
+    host anyway; False: batch the reads, which cost a device sync each)."""
+    dev = dec.device
+    sampler = Sampler(sampling, seeds, ids, n_pad, max_new_tokens, dev)
+    out = sampler.out  # [batch, max_new_tokens]
+    eos_t = torch.tensor(list(eos) or [-1], device=dev)
+    b = ids.shape[0]
+    clock = _Clock(dev)
+    t0, h0 = clock.mark(), time.perf_counter()
+    logits = dec.prefill(ids, n_pad, chunk=prefill_chunk)
+    t_pre, h_pre = clock.mark(), time.perf_counter() - h0
+    finished = torch.zeros(b, dtype=torch.bool, device=dev)
+    # Host reads are batched on a device engine: every step when streaming or checking stop strings, else every 16
+    # steps. So the loop may run up to 15 steps past the end; each step's cache statistics and clock mark are kept
+    # (host ints and an event, no sync) and the result reports them as of the true last step.
+    sync_every = 1 if (on_step or stop or dec.host_sync) else 16
+    decode = lambda r: tokenizer.decode(r, skip_special_tokens=True)  # noqa: E731
+    # with stop strings, row 0's stream holds back what may begin one (epikv.stops: the one rule)
+    stream = StopStream(decode, stop) if stop else None
+    host_tokens: list[list[int]] = [[] for _ in range(b)]
+    reasons = ["length"] * b
+    synced = [0]  # decode steps already copied to the host
+    marks: list[tuple[dict, object]] = []  # per step since `first`: (cache stats, clock mark) once it is chosen
+    first = 0
+    for step in range(max_new_tokens):
+        nxt = sampler(logits, step).to(dev)
+        nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
+        out[:, step] = nxt
+        marks.append((dec.cache_stats(), clock.mark()))
+        finished = finished | torch.isin(nxt, eos_t)
+        last = step == max_new_tokens - 1
+        if (step + 1) % sync_every == 0 or last:
+            fin_host = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tokenizer, stop)
+            if on_step:
+                elapsed = time.perf_counter() - h0 - h_pre
+                new_text = (stream.step(_trim(host_tokens[0], eos), fin_host[0] or last) if stream
+                            else _new_text(tokenizer, host_tokens[0]))
+                on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=new_text,
+                                 cache_tokens=marks[-1][0]["final_cache_tokens"],
+                                 evictions=marks[-1][0]["evictions"], tokens_per_s=live_rate(step + 1, elapsed)))
+            if all(fin_host) or last:
+                break
+            finished = torch.tensor(fin_host, device=dev) | finished
+            if not stop:  # rows still running end after this step: older marks are no longer needed
+                first, marks = step + 1, []  # (a stop string may end a row some tokens back: keep them)
+        logits = dec.step(nxt[:, None])
+    token_ids = [_trim(row, eos) for row in host_tokens]
+    texts = []
+    for i, row in enumerate(token_ids):  # a stop string cuts text and ids alike (epikv.stops)
+        text, token_ids[i], _ = cut_at_stop(decode, row, stop)
+        texts.append(text)
+    end = max(len(r) for r in token_ids) - 1  # the batch's true last step: its last row's final token
+    cache_stats, t_end = marks[max(end, 0) - first]
+    return DecodeRun(texts=texts, token_ids=token_ids, finish_reasons=reasons, cache_stats=cache_stats,
+                     seconds=clock.between(t0, t_end), prefill_seconds=clock.between(t0, t_pre),
+                     decode_steps=end + 1, policy=dec.policy.name, budget=dec.budget, tau=dec.tau)
 
 
 class _Clock:

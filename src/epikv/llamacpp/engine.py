@@ -17,7 +17,6 @@ the budget by removing the policy's evicted tokens with `llama_memory_seq_rm`.
 from __future__ import annotations
 
 import os
-import time
 from types import SimpleNamespace
 from typing import Iterable, Sequence
 
@@ -257,17 +256,37 @@ class LlamaDecoder(SequenceCache):
             pass
 
 
+class _LoopDecoder:
+    """A LlamaDecoder (one sequence) behind the interface of the shared decoding loop (epikv.engine.decode_loop):
+    batch-of-one tensors in and out, statistics read from the mirror, every step's token read at once (the logits
+    are on the host already)."""
+
+    device = torch.device("cpu")
+    host_sync = True
+
+    def __init__(self, dec: LlamaDecoder) -> None:
+        self.dec, self.policy, self.budget, self.tau = dec, dec.policy, dec.budget, dec.tau
+
+    def prefill(self, ids: torch.Tensor, n_pad, chunk=None) -> torch.Tensor:
+        return torch.from_numpy(self.dec.prefill(ids[0].tolist()))[None]  # [1, vocab]
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.dec.step(int(ids[0, 0])))[None]
+
+    def cache_stats(self) -> dict:
+        d = self.dec
+        return {"max_cache_tokens": d.max_tokens, "final_cache_tokens": d.stored(), "evictions": d.evictions}
+
+
 def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy = "epikv", budget: int | None = 1024,
              tau: int | None = None, max_new_tokens: int = 256, sampling=None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, threads: int | None = None,
              on_step=None, seed: int | None = None, allow_beyond_context: bool = False, capture: str = "auto",
              type_kv: str = "f16", flash_attn: bool | None = None, **policy_settings):
-    """Generate for one prompt with llama.cpp; the same result and statistics as epikv.engine.generate (plus the
-    engine's own: threads, capture method, context cells and KV bytes)."""
-    from ..engine import (GenerationResult, Sampler, Sampling, StepInfo, _new_text, _sync_rows, _trim,
-                          check_context, encode_prompts)
-    from ..stops import StopStream, cut_at_stop
-    from ..progress import live_rate
+    """Generate for one prompt with llama.cpp: the torch engine's own decoding loop (epikv.engine.decode_loop) over
+    a LlamaDecoder, so the same result and statistics (plus the engine's own: threads, capture method, context
+    cells and KV bytes)."""
+    from ..engine import Sampling, check_context, decode_loop, encode_prompts
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise EpiKVError(f"max new tokens must be a positive integer, got {max_new_tokens!r}")
@@ -285,50 +304,11 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
     dec = LlamaDecoder(gm, pol, budget, max_tokens=len(ids) + max_new_tokens, threads=threads, capture=capture,
                        type_kv=type_kv, flash_attn=flash_attn, n_batch=min(512, len(ids)))
     try:
-        eos = tok.eog_ids()
-        prompt_ids = torch.tensor([ids])
-        sampler = Sampler(sampling, [seed], prompt_ids, [0], max_new_tokens, "cpu")
-        out = sampler.out
-        host_tokens: list[list[int]] = [[]]
-        reasons = ["length"]
-        synced = [0]
-        marks = []
-        decode = lambda r: tok.decode(r, skip_special_tokens=True)  # noqa: E731
-        # with stop strings the stream holds back what may begin one (epikv.stops: the one rule)
-        stream = StopStream(decode, stop) if stop else None
-        t0 = time.perf_counter()
-        logits = dec.prefill(ids)
-        t_pre = time.perf_counter()
-        for step in range(max_new_tokens):
-            nxt = int(sampler(torch.from_numpy(logits)[None], step)[0])
-            out[0, step] = nxt
-            marks.append(((dec.max_tokens, dec.stored(), dec.evictions), time.perf_counter()))
-            fin = _sync_rows(out, synced, step + 1, host_tokens, eos, reasons, tok, stop)
-            if on_step:
-                elapsed = time.perf_counter() - t_pre
-                last = fin[0] or step == max_new_tokens - 1
-                new_text = stream.step(_trim(host_tokens[0], eos), last) if stream else _new_text(tok, host_tokens[0])
-                on_step(StepInfo(step=step, new_token_ids=host_tokens[0][-1:], new_text=new_text,
-                                 cache_tokens=dec.stored(), evictions=dec.evictions,
-                                 tokens_per_s=live_rate(step + 1, elapsed)))
-            if fin[0] or step == max_new_tokens - 1:
-                break
-            logits = dec.step(nxt)
-        # a stop string cuts text and ids alike; the statistics are those of the last token returned (epikv.stops)
-        text, token_ids, _ = cut_at_stop(decode, _trim(host_tokens[0], eos), stop)
-        (max_c, final_c, n_ev), t_end = marks[max(len(token_ids) - 1, 0)]
-        seconds, t_prefill = t_end - t0, t_pre - t0
-        n_new = len(token_ids)
-        # seconds = prefill_seconds + decode_seconds; tokens_per_s over all of it, decode_tokens_per_s over the decode
-        stats = dict(max_cache_tokens=max_c, final_cache_tokens=final_c, evictions=n_ev, prompt_tokens=[len(ids)],
-                     new_tokens=[n_new], seconds=seconds, prefill_seconds=t_prefill, decode_seconds=seconds - t_prefill,
-                     decode_steps=max(n_new, 1), tokens_per_s=n_new / max(seconds, 1e-9),
-                     decode_tokens_per_s=n_new / max(seconds - t_prefill, 1e-9),
-                     policy=dec.policy.name, budget=dec.budget, tau=dec.tau, seeds=[seed], engine="llama.cpp",
-                     threads=dec.threads, capture=dec.capture.method if dec.capture else None,
-                     kv_cells=dec.n_ctx, kv_bytes=dec.kv_bytes())
-        return GenerationResult(texts=[text], token_ids=[token_ids], prompt_tokens=[len(ids)],
-                                finish_reasons=reasons, stats=stats)
+        run = decode_loop(_LoopDecoder(dec), tok, torch.tensor([ids]), [0], sampling=sampling, seeds=[seed],
+                          max_new_tokens=max_new_tokens, eos=tok.eog_ids(), stop=stop, pad_id=tok.pad_token_id,
+                          on_step=on_step)
+        return run.result([len(ids)], [seed], engine="llama.cpp", threads=dec.threads,
+                          capture=dec.capture.method if dec.capture else None, kv_cells=dec.n_ctx,
+                          kv_bytes=dec.kv_bytes())
     finally:
         dec.close()
-
