@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .errors import EpiKVError
 from .signals import model_depth
+from .policy_state import PolicyState
 from .policies import CacheView, Policy, StepObservation, get_policy
 
 
@@ -492,13 +493,23 @@ class EpiKVCache(Cache):
         self._queries: dict[int, torch.Tensor] = {}  # layer -> [batch, heads, <= w, head_dim]
         self._query_valid: torch.Tensor | None = None  # [batch, <= w]
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.state: Any = None
-        self.token_data: dict[str, torch.Tensor] = {}
-        self.n_pad = self.n_protect = self.seen = self.n_prompt = None
-        self.evictions = 0
+        # the policy's side (state, per-token data, protected head, schedule), as every engine keeps it
+        self.ps = PolicyState(self.policy, self.budget, self.recent, self.home)
+        self.seen = None
         self.max_tokens = 0
         self._stored_after_step = 0
         self._hold = False  # eviction deferred to the end of a multi-token feed split into single tokens
+
+    # the policy's side lives in self.ps (policy_state.PolicyState); these names are the cache's public face
+    state = property(lambda self: self.ps.state, lambda self, v: setattr(self.ps, "state", v))
+    token_data = property(lambda self: self.ps.token_data, lambda self, v: setattr(self.ps, "token_data", v))
+    n_pad = property(lambda self: self.ps.n_pad, lambda self, v: setattr(self.ps, "n_pad", v))
+    n_protect = property(lambda self: self.ps.n_protect, lambda self, v: setattr(self.ps, "n_protect", v))
+    n_prompt = property(lambda self: self.ps.n_prompt, lambda self, v: setattr(self.ps, "n_prompt", v))
+    evictions = property(lambda self: self.ps.evictions, lambda self, v: setattr(self.ps, "evictions", v))
+    _len_after_evict = property(lambda self: self.ps.len_after_evict,
+                                lambda self, v: setattr(self.ps, "len_after_evict", v))
+    _prefix = property(lambda self: self.ps.prefix, lambda self, v: setattr(self.ps, "prefix", v))
 
     # -- sequence set-up ---------------------------------------------------------------------------------------------
     def begin(self, prompt_lens: list[int], n_pad: list[int] | None = None) -> None:
@@ -522,12 +533,8 @@ class EpiKVCache(Cache):
             what = f"evicts whole pages (page={self.policy.page})" if self.policy.page else "has its own keep rule"
             raise EpiKVError(f"{self.policy.name} {what}, which may evict real tokens of a padded row before its "
                              "padding: on a model with sliding-window layers run its prompts unpadded (one at a time)")
-        self.n_pad = torch.tensor(n_pad, device=self.home)
-        self.n_protect = torch.tensor(prot, device=self.home)
-        self.n_prompt = torch.tensor(prompt_lens, device=self.home)  # real tokens of the first prompt, per row
+        self.ps.begin(prompt_lens, n_pad, self.n_layers)  # n_pad, n_protect, n_prompt (first prompt), state
         self.seen = torch.zeros(len(prompt_lens), dtype=torch.long, device=self.home)
-        self.state = self.policy.init_state(len(prompt_lens), self.n_layers, self.home)
-        self._prefix = self._len_after_evict = max(p + q for p, q in zip(prot, n_pad))  # host ints for should_evict
 
     def feeds_one_at_a_time(self, n_tokens: int) -> bool:
         """Whether a forward of n_tokens must be split into single-token forwards: once uncompressed layers (e.g.
@@ -548,8 +555,7 @@ class EpiKVCache(Cache):
     def _end_step(self) -> None:
         """Evict when the policy's schedule says so (default: over budget + tau - 1), then record what the step
         leaves stored."""
-        n = self.layers[self._ref].length
-        if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict, n - self._prefix):
+        if self.ps.due(self.layers[self._ref].length):
             self.evict()
         self._stored_after_step = self.layers[self._ref].length
         self.max_tokens = max(self.max_tokens, self._stored_after_step)
@@ -673,24 +679,15 @@ class EpiKVCache(Cache):
         if self._n_queries:
             qv = valid if self._query_valid is None else torch.cat([self._query_valid, valid], dim=1)
             self._query_valid = qv[:, -self._n_queries:]
-        obs = StepObservation(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos,
-                              stored=self.token_data, n_protect=self.n_protect,
-                              in_prompt=valid & (pos < self.n_prompt[:, None]),
-                              kv_heads=self.layers[self._ref].keys.shape[1],
-                              keys=self._step_kv("keys", t), values=self._step_kv("values", t))
         n_old = self._stored_after_step
-        new = self.policy.on_tokens(self.state, obs)
-        new["pos"] = pos  # true position of every stored token, kept aligned through evictions
+        self.ps.observe(hidden=self._hidden, attentions=self._attn, valid=valid, positions=pos, n_old=n_old,
+                        kv_heads=self.layers[self._ref].keys.shape[1], keys=self._step_kv("keys", t),
+                        values=self._step_kv("values", t))
         if self._phys is not None:  # the new tokens were written after every stored slot
             self._phys = torch.cat([self._phys, torch.arange(n_old, n_old + t, device=self._phys.device)
                                     .expand(self._phys.shape[0], t)], dim=1)
         if self._pad_slots is not None:
             self._pad_slots = torch.cat([self._pad_slots, ~valid], dim=1)
-        for key, x in new.items():
-            x = x.to(self.home)
-            if key in self.token_data and x.shape[-1] != n_old + t:  # new tokens only: append
-                x = torch.cat([self.token_data[key], x], dim=-1)
-            self.token_data[key] = x  # (n_old + t entries: the policy replaced the stored data)
         self._hidden, self._attn = {}, {}
         self.seen += valid.sum(-1)
         self._stored_after_step = self.layers[self._ref].length
@@ -707,22 +704,22 @@ class EpiKVCache(Cache):
         return []
 
     def view(self) -> CacheView:
-        return CacheView(
-            length=self.layers[self._ref].length, budget=self.budget, token_data=self.token_data, n_pad=self.n_pad,
-            n_protect=self.n_protect, recent=self.recent,
-            keys=[self.layers[i].keys for i in self._kv_layers] if self._needs_kv else [],
-            values=[self.layers[i].values for i in self._kv_layers] if self._needs_kv else [], device=self.home,
-            queries=[self._queries.get(l) for l in range(self.n_layers)] if self._n_queries else [],
-            query_valid=self._query_valid,
-        )
+        return self.ps.view(self.layers[self._ref].length, **self._view_kv())
+
+    def _view_kv(self) -> dict:
+        """What the keep rule reads of the stored keys, values and recent queries (per the policy's Observes)."""
+        return dict(keys=[self.layers[i].keys for i in self._kv_layers] if self._needs_kv else [],
+                    values=[self.layers[i].values for i in self._kv_layers] if self._needs_kv else [],
+                    queries=[self._queries.get(l) for l in range(self.n_layers)] if self._n_queries else [],
+                    query_valid=self._query_valid)
 
     def evict(self) -> torch.Tensor:
         """Cut every sequence back to the policy's keep set (exactly `budget` tokens unless the policy keeps fewer).
         Returns the keep indices."""
-        view = self.view()
-        keep = self.policy.keep(self.state, view)  # [batch, K] or [batch, layers, heads, K], K <= budget
+        n_old = self.layers[self._ref].length
+        keep = self.ps.keep(n_old, **self._view_kv())  # [batch, K] or [batch, layers, heads, K], K <= budget
         per_head = keep.dim() == 4
-        k, n_old = keep.shape[-1], view.length
+        k = keep.shape[-1]
         phys = keep  # the kept tokens' physical slots, in true order
         if self._phys is not None:
             p = self._phys.to(keep.device)
@@ -735,13 +732,7 @@ class EpiKVCache(Cache):
             self._compact(phys, per_head, k, n_old)
             self._phys = self._pad_slots = None  # compaction writes the kept tokens in true order
         first = keep[:, self._ref, 0] if per_head else keep  # [batch, K]
-        for key, x in self.token_data.items():
-            # per-token data [batch, n] follows layer 0 / head 0 under per-head keeps; [batch, layers, heads, n]
-            # data follows its own head
-            idx = keep if keep.dim() <= x.dim() else first
-            while idx.dim() < x.dim():  # token keep [batch, K] against [batch, ..., n] data
-                idx = idx.unsqueeze(1)
-            self.token_data[key] = x.gather(-1, idx.expand(*x.shape[:-1], idx.shape[-1]))
+        self.ps.select(keep, self.layers[self._ref].length, ref_layer=self._ref)
         self.n_pad = (first < self.n_pad[:, None]).sum(-1)  # padding stays a prefix
         if self._sliding and self._padded:
             # one 2D mask serves both kinds of layer (see _padding_mask): a row may keep padding only while it keeps
@@ -751,8 +742,7 @@ class EpiKVCache(Cache):
                 raise EpiKVError(f"{self.policy.name} evicted real tokens of a padded row while keeping its padding, "
                                  "which a hybrid (sliding-window) model's shared mask cannot express: run that "
                                  "prompt unpadded")
-        self.evictions += 1
-        self._stored_after_step = self._len_after_evict = self.layers[self._ref].length
+        self._stored_after_step = self.layers[self._ref].length
         return keep
 
     def _refill_holes(self, phys: torch.Tensor, m: int) -> None:

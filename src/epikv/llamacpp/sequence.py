@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from ..errors import EpiKVError
-from ..policies import CacheView, Policy, StepObservation
+from ..policies import CacheView, Policy
+from ..policy_state import PolicyState
 from ..policies.hidden import HiddenStatePolicy
 from . import lib
 from .model import GGUFModel
@@ -60,18 +61,16 @@ class SequenceCache:
             raise EpiKVError("--engine llama.cpp keeps at least the newest token (its next token must follow the "
                              "sequence's highest position): the recent window must be >= 1")
         self.blocks = blocks
-        self.token_data: dict[str, torch.Tensor] = {}  # [1, n] per cached token, chronological (the mirror)
-        self.state = None
+        # the policy's side (state, per-token data [1, n] per cached token in true order: the mirror, "pos" its
+        # positions), as every engine keeps it
+        self.ps = PolicyState(policy, self.budget, self.recent, torch.device("cpu"))
         self.seen = 0
-        self.evictions = 0
         self.evicted_tokens = 0
         self.max_tokens = 0
         self.n_prompt = self.n_protect = 0
-        self._len_after_evict = self._prefix = 0
         self.on_evict: Callable[["SequenceCache", torch.Tensor], None] | None = None  # test hook: before seq_rm
         self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
         self._unscored = 0
-        self._n_protect_t = torch.zeros(1, dtype=torch.long)
         # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
         # any other policy is fed every step, as the torch engine does
         self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
@@ -82,14 +81,11 @@ class SequenceCache:
             raise EpiKVError("empty prompt: at least one token is needed")
         if self.seen:
             raise EpiKVError("this sequence has already been fed a prompt")
-        self.n_prompt = n_prompt
-        self.n_protect = self.policy.protected(n_prompt)
-        self._n_protect_t = torch.tensor([self.n_protect])
         why = self.policy.protected_overflow(self.budget, self.recent, n_prompt)
         if why:
             raise EpiKVError(why)
-        self.state = self.policy.init_state(1, self.gm.depth, torch.device("cpu"))
-        self._prefix = self._len_after_evict = self.n_protect
+        self.n_prompt = n_prompt
+        (self.n_protect,) = self.ps.begin([n_prompt], None, self.gm.depth)
 
     def record(self, t: int, rows: dict[int, np.ndarray] | None) -> None:
         """The sequence's next t tokens (positions seen .. seen + t - 1) were decoded; rows: block -> [t, dim] of
@@ -103,11 +99,14 @@ class SequenceCache:
         self.seen += t
         if self._unscored >= self._score_every:
             self.flush()
-        n = self.stored()
-        if self.policy.evicts and self.policy.should_evict(n, self.budget, n - self._len_after_evict,
-                                                           n - self._prefix):
+        if self.ps.due(self.stored()):
             self.evict()
         self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
+
+    state = property(lambda self: self.ps.state)
+    evictions = property(lambda self: self.ps.evictions)
+    token_data = property(lambda self: self.ps.token_data,
+                          lambda self, v: setattr(self.ps, "token_data", v))
 
     def drop(self) -> None:
         """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
@@ -163,16 +162,9 @@ class SequenceCache:
             hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
                       for blk in self.blocks}  # [1, u, dim]
         stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
-        obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
-                              stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
-                              kv_heads=self.gm.n_head_kv)
-        new = self.policy.on_tokens(self.state, obs)
-        for key, x in new.items():
-            if key == "pos":
-                continue
-            if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
-                x = torch.cat([self.token_data[key], x], dim=-1)
-            self.token_data[key] = x
+        # the positions are in the mirror already (record): the policy's own data is appended
+        self.ps.observe(hidden=hidden, valid=torch.ones(1, u, dtype=torch.bool), positions=pos, n_old=n - u,
+                        kv_heads=self.gm.n_head_kv, stored=stored, record_positions=False)
         self._rows, self._unscored = [], 0
 
     # -- eviction -----------------------------------------------------------------------------------------------------
@@ -183,15 +175,14 @@ class SequenceCache:
         if u:
             data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
                     for k, v in data.items()}
-        return CacheView(length=self.stored(), budget=self.budget, token_data=data,
-                         n_pad=torch.zeros(1, dtype=torch.long), n_protect=self._n_protect_t,
-                         recent=self.recent, keys=[], values=[], device=torch.device("cpu"))
+        return self.ps.view(self.stored(), token_data=data)
 
     def evict(self) -> torch.Tensor:
         """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
         if self._unscored and len(self.token_data) == 1:  # nothing scored yet: the policy's data keys are unknown
             self.flush()
-        keep = self.policy.keep(self.state, self.view())[0]  # [m] sorted indices into the mirror
+        view = self.view()
+        keep = self.policy.keep(self.ps.state, view)[0]  # [m] sorted indices into the mirror
         self.remove(keep)
         return keep
 
@@ -226,9 +217,6 @@ class SequenceCache:
         for p0, p1 in runs:
             if not self._ll.llama_memory_seq_rm(self.mem, self.seq, p0, p1):
                 raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
-        scored = keep[: keep.numel() - u] if u else keep  # the unscored tail is all kept (checked above)
-        for key, x in self.token_data.items():
-            self.token_data[key] = x.index_select(-1, keep if key == "pos" else scored)
-        self.evictions += 1
-        self._len_after_evict = self.stored()
+        # the unscored tail is all kept (checked above): the policy's data lacks it
+        self.ps.select(keep[None], keep.numel(), unscored=u)
         self._check_mirror()

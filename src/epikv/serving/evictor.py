@@ -9,12 +9,12 @@ block table and giving it back to the pool (`Layout.drop`, serving/layout.py).
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 
 from ..errors import EpiKVError
-from ..policies import CacheView, Policy, StepObservation
+from ..policies import Policy
+from ..policy_state import PolicyState
 
 
 def _kv_rows(lay, request_id: str, start: int, stop: int, layers) -> tuple[list, list]:
@@ -28,21 +28,19 @@ def _kv_rows(lay, request_id: str, start: int, stop: int, layers) -> tuple[list,
 
 
 class Track:
-    """Per-request policy state: created on admission, deep-copied on a fork, dropped at the end."""
+    """Per-request policy state (policy_state.PolicyState, batch of one) and where the request's tokens are:
+    created on admission, deep-copied on a fork, dropped at the end."""
 
     def __init__(self, policy: Policy, n_layers: int, device, prompt_len: int, budget: int | None,
                  recent: int) -> None:
-        self.state: Any = policy.init_state(1, n_layers, device) if policy.evicts else None
-        self.token_data: dict[str, torch.Tensor] = {}
-        prot = policy.protected(prompt_len)
+        self.ps = PolicyState(policy, budget, recent, device)
+        self.ps.begin([prompt_len], None, n_layers, init=policy.evicts)
         self.device = device
-        self.n_prompt = torch.tensor([prompt_len], device=device)
-        self.n_protect = torch.tensor([prot], device=device)
-        self.n_pad = torch.zeros(1, dtype=torch.long, device=device)
-        self.prefix = self.len_after_evict = prot  # host ints for should_evict, as EpiKVCache.begin sets them
         self.evicted = 0  # tokens dropped so far: true position = stored slot + evicted
-        self.evictions = 0
         self.scored = 0  # stored tokens the policy has seen (token_data length)
+
+    token_data = property(lambda self: self.ps.token_data)
+    evictions = property(lambda self: self.ps.evictions)
 
     def fork(self) -> "Track":
         return copy.deepcopy(self)
@@ -58,21 +56,13 @@ class Track:
         valid = torch.ones(1, t, dtype=torch.bool, device=dev)
         pos = torch.arange(n_old + self.evicted, n_old + self.evicted + t, device=dev)[None]  # true positions
         keys, values = kv.step(n_old, t)
-        obs = StepObservation(hidden=hidden, attentions={}, valid=valid, positions=pos, stored=self.token_data,
-                              n_protect=self.n_protect, in_prompt=valid & (pos < self.n_prompt[:, None]),
-                              kv_heads=kv.kv_heads, keys=keys, values=values)
-        new = policy.on_tokens(self.state, obs) if policy.evicts else {}
-        new["pos"] = pos
-        for key, x in new.items():
-            x = x.to(dev)
-            if key in self.token_data and x.shape[-1] != n_old + t:  # new tokens only: append
-                x = torch.cat([self.token_data[key], x], dim=-1)
-            self.token_data[key] = x
+        self.ps.observe(hidden=hidden, valid=valid, positions=pos, n_old=n_old, kv_heads=kv.kv_heads, keys=keys,
+                        values=values)
         self.scored = n_old + t
 
     # -- between steps ---------------------------------------------------------------------------------------------
     def due(self, policy: Policy, n: int, budget: int) -> bool:
-        return policy.evicts and policy.should_evict(n, budget, n - self.len_after_evict, n - self.prefix)
+        return self.ps.due(n)
 
     def evict(self, policy: Policy, lay, state, budget: int, recent: int, kv: "KVReader") -> int:
         """Drop the pages policy.keep leaves out; returns the blocks given back. `state` is transformers'
@@ -83,9 +73,7 @@ class Track:
             raise EpiKVError(f"serving: request {state.request_id} stores {n} tokens but {self.scored} were scored")
         page = policy.page
         keys, values = kv.all(n) if kv.needs_all else ([], [])
-        view = CacheView(length=n, budget=budget, token_data=self.token_data, n_pad=self.n_pad,
-                         n_protect=self.n_protect, recent=recent, keys=keys, values=values, device=self.device)
-        keep = policy.keep(self.state, view)  # [1, m] whole pages (page_keep), the newest last
+        keep = self.ps.keep(n, keys=keys, values=values)  # [1, m] whole pages (page_keep), the newest last
         m = keep.shape[-1]
         if m >= n:
             return 0
@@ -99,14 +87,9 @@ class Track:
         kept_set = set(kept)
         freed = lay.drop(state.request_id, [p for p in range(n_pages) if p not in kept_set], state)
         state.position_offset = m
-        for key, x in self.token_data.items():
-            idx = keep
-            while idx.dim() < x.dim():
-                idx = idx.unsqueeze(1)
-            self.token_data[key] = x.gather(-1, idx.to(x.device).expand(*x.shape[:-1], m))
+        self.ps.select(keep, m)
         self.evicted += n - m
-        self.evictions += 1
-        self.scored = self.len_after_evict = m
+        self.scored = m
         return freed
 
 
