@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-import epikv.cache as cache_mod
+import epikv.hooks as cache_mod  # the hooks read the cache from the forward's kwargs
+from epikv.buffers import select_state_rows
 from epikv import EpiKVCache, EpiKVError, generate
 from epikv.cache import cache_kwarg
 from epikv.engine import Decoder
@@ -248,7 +249,7 @@ def test_state_rows_follow_the_contract():
     stats = RollingStats(4)
     stats.hist = torch.arange(6.0).view(3, 2, 1)
     state = {"per_row": [torch.tensor([0, 1, 2])], "_shared": torch.tensor([5, 6, 7]), "stats": stats, "n": 3}
-    out = cache_mod.select_state_rows(state, torch.tensor([2, 2, 0]), 3)
+    out = select_state_rows(state, torch.tensor([2, 2, 0]), 3)
     assert out["per_row"][0].tolist() == [2, 2, 0] and out["_shared"].tolist() == [5, 6, 7]
     assert stats.hist[:, 0, 0].tolist() == [4.0, 4.0, 0.0] and out["n"] == 3
 
