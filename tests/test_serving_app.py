@@ -59,7 +59,7 @@ class Scripted(Backend):
         except queue.Empty:
             return None
 
-    def cancel(self, rid):
+    def cancel(self, rid, completed=False):
         self.cancelled.add(rid)
 
     def release(self, rid):

@@ -252,7 +252,10 @@ class Server:
 
     def cancel(self, rid: str, how: str = "cancelled", tokens: int = 0) -> None:
         try:  # a stop string ends a request early but complete: the engine counts it finished, not cancelled
-            self.backend.cancel(rid, completed=how == "completed")
+            if how == "completed":
+                self.backend.cancel(rid, completed=True)
+            else:
+                self.backend.cancel(rid)
         except Exception:  # the engine is gone: nothing left to stop
             pass
         finally:
