@@ -69,7 +69,7 @@ def test_chunk_logits_are_the_decoders_row_by_row(gm, item):
 def test_retention_keep_sets_are_the_policy_code_on_the_captured_states(gm, item):
     """policy_pass through the llama.cpp engine at tau = 16: every keep set llama.cpp applied is the one epikv's own
     code gives on the block outputs captured in that run; the metrics are finite and the cache stayed in budget."""
-    from epikv.llamacpp.retention import LlamaCppTraces
+    from epikv.retention.llamacpp import LlamaCppTraces
     from epikv.retention.runner import policy_pass, reference_pass
 
     K, tau = 160, 16
@@ -88,7 +88,7 @@ def test_retention_keep_sets_are_the_policy_code_on_the_captured_states(gm, item
 def test_full_policy_scores_zero_against_its_reference(gm, item):
     """Two independent full-cache streams of one trace agree exactly: the reference is reproducible, so a policy's
     loss is its eviction's, not the engine's noise."""
-    from epikv.llamacpp.retention import LlamaCppTraces
+    from epikv.retention.llamacpp import LlamaCppTraces
     from epikv.retention.runner import policy_pass, reference_pass
 
     model = LlamaCppTraces(gm, threads=1)
@@ -101,7 +101,7 @@ def test_reference_predictions_line_up_with_a_token_by_token_decode(gm, item):
     """Prediction j of the chunked reference is the distribution over token P + j: the same argmax as llama.cpp
     fed the trace one token at a time, for the first 40 positions (across chunk boundaries)."""
     from epikv.llamacpp import LlamaDecoder
-    from epikv.llamacpp.retention import LlamaCppTraces
+    from epikv.retention.llamacpp import LlamaCppTraces
     from epikv.retention.runner import reference_pass
 
     ref = reference_pass(LlamaCppTraces(gm, threads=1), item, 16)

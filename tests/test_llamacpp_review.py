@@ -148,7 +148,7 @@ def test_eviction_totals_never_count_an_ending_sequence_twice(gm, request):
     """A scrape while a request ends (its cells being removed) reads the same totals as after it: the sequence's
     counts move from the running to the ended totals in one step."""
     from epikv.llamacpp.sequence import SequenceCache
-    from epikv.llamacpp.serving import LlamaBackend
+    from epikv.serving.llamacpp import LlamaBackend
     from test_llamacpp_serving import _prompts
 
     be = LlamaBackend(gm, "epikv", 64, 4, ctx=256, sequences=2, max_batch_tokens=64, threads=1)
@@ -223,7 +223,7 @@ def test_a_graph_without_block_outputs_is_refused_at_server_start(gm, tmp_path, 
     """The probe decode at start: the backend refuses to be built, and `epikv serve` says why in one line, exit 2,
     before it listens (it used to start, then turn unhealthy for good on the first request)."""
     import epikv.llamacpp.capture as c
-    from epikv.llamacpp.serving import LlamaBackend
+    from epikv.serving.llamacpp import LlamaBackend
 
     init = c.BlockCapture.__init__
 
@@ -246,7 +246,7 @@ def test_a_graph_without_block_outputs_is_refused_at_server_start(gm, tmp_path, 
 def test_a_request_that_fails_in_the_engine_fails_alone(gm, request, caplog):
     """An exception while one request is sampled fails that request (its cells removed, counted by llama.cpp), the
     others finish, the server stays healthy, and the traceback is logged."""
-    from epikv.llamacpp.serving import LlamaBackend
+    from epikv.serving.llamacpp import LlamaBackend
     from test_llamacpp_serving import _prompts
 
     be = LlamaBackend(gm, "epikv", 64, 8, ctx=512, sequences=3, max_batch_tokens=128, threads=1)
@@ -337,7 +337,7 @@ def test_build_c_says_why_a_compile_failed_and_keys_by_compiler(tmp_path, monkey
 def test_a_full_request_beyond_ctx_is_refused_at_submit(gm, request):
     """Called directly (not through the app), a `full` request longer than --ctx used to sit in the queue for ever,
     blocking every request behind it."""
-    from epikv.llamacpp.serving import LlamaBackend
+    from epikv.serving.llamacpp import LlamaBackend
 
     be = LlamaBackend(gm, "full", None, ctx=256, sequences=2, threads=1)
     request.addfinalizer(be.stop)

@@ -1,4 +1,4 @@
-"""`epikv serve --engine llama.cpp` (epikv.llamacpp.serving.LlamaBackend) on the embedded GGUF: sequences batched
+"""`epikv serve --engine llama.cpp` (epikv.serving.llamacpp.LlamaBackend) on the embedded GGUF: sequences batched
 in one llama.cpp context agree with the single-sequence engine, a sequence's cache after eviction holds exactly its
 kept positions while others run in the same batches, cells return when sequences evict and end, more sequences run
 than `full` allows in the same cells, and the command answers the `openai` client and refuses in one line.
@@ -71,7 +71,7 @@ def _run(be, prompts, max_tokens=N, sampling=None):
 
 
 def _backend(gm, request, **kw):
-    from epikv.llamacpp.serving import LlamaBackend
+    from epikv.serving.llamacpp import LlamaBackend
 
     args = {**KW, "flash_attn": False, "threads": 1, **kw}
     be = LlamaBackend(gm, **args)

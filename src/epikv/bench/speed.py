@@ -176,7 +176,7 @@ def run_budget(model, configs: list[SpeedConfig], budget: int, gen_tokens: int, 
     ids = random_ids(model, budget + gen_tokens, seed)
     prompt = ids[:, :prompt_tokens]
     runs = []
-    # another engine (epikv.llamacpp.speed) brings its own run of a configuration, with _Run's interface
+    # another engine (epikv.bench.llamacpp) brings its own run of a configuration, with _Run's interface
     make = getattr(model, "speed_run", None)
     with torch.inference_mode():
         for cfg in configs:

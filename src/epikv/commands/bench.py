@@ -376,7 +376,7 @@ def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
     from ..bench.plots import plot_speed
     from ..llamacpp import check_policy, load_gguf
     from ..llamacpp.engine import default_threads
-    from ..llamacpp.speed import LlamaCppSpeed, long_generation
+    from ..bench.llamacpp import LlamaCppSpeed, long_generation
     from .engines import LlamaCppEngine
 
     LlamaCppEngine.refuse_torch_options(args)

@@ -62,7 +62,7 @@ def run(args) -> int:
         raise EpiKVError(f"--out {out} exists and is not a folder")
     eng = make_engine(args)
     if eng.name == "llama.cpp":
-        from ..llamacpp.retention import LlamaCppTraces
+        from ..retention.llamacpp import LlamaCppTraces
 
         model = LlamaCppTraces(eng.gm, threads=args.threads)
     else:

@@ -209,7 +209,7 @@ def _http(args, server, sock, banner: str) -> None:
 
 
 def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
-    """`epikv serve --engine llama.cpp`: the same app on LlamaBackend (epikv.llamacpp.serving)."""
+    """`epikv serve --engine llama.cpp`: the same app on LlamaBackend (epikv.serving.llamacpp)."""
     given = [f for f, v in (("--num-blocks", args.num_blocks), ("--page", args.page)) if v is not None]
     if given:
         raise EpiKVError(f"{' and '.join(given)}: options of the torch engine's paged cache; --engine llama.cpp "
@@ -223,7 +223,7 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
 
     eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF: refused here in one line
     from ..llamacpp import lib
-    from ..llamacpp.serving import LlamaBackend
+    from ..serving.llamacpp import LlamaBackend
 
     backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
                            sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,

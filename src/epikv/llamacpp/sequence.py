@@ -1,7 +1,8 @@
-"""One sequence's side of EPIKV inside llama.cpp, shared by the single-sequence decoder (engine.LlamaDecoder) and the
-server's continuous batching (serving.py): the mirror of the sequence's cached tokens (true position and per-token
-policy data, chronological), the policy fed the captured block outputs through its own `on_tokens`, its own `keep`,
-and eviction by removing runs of positions with `llama_memory_seq_rm`, checked against `seq_pos_min` / `seq_pos_max`.
+"""One sequence's side of EPIKV inside llama.cpp, shared by the single-sequence decoder (engine.LlamaDecoder) and
+the server's continuous batching (epikv.serving.llamacpp): the mirror of the sequence's cached tokens (true
+position and per-token policy data, chronological), the policy fed the captured block outputs through its own
+`on_tokens`, its own `keep` (policy_state.PolicyState, as every engine), and eviction by removing runs of positions
+with `llama_memory_seq_rm`, checked against llama.cpp's bounds and cell count.
 
 The caller owns the context and the decode; after each decode it hands this sequence its rows (`record`).
 """

@@ -85,7 +85,7 @@ def prepare_traces(rows: Sequence[dict], tokenizer, max_reasoning_tokens: int | 
 def _stream(model, item: TraceItem, policy, budget: int | None, on_logits: Callable[[int, torch.Tensor], None]):
     """Prefill the prompt, then feed the rest in chunks of policy.tau; on_logits(j, logits [T, vocab]) gets the
     predictions of tokens P + j .. P + j + T - 1. Returns (forward seconds, cache stats, peak KV MiB)."""
-    if hasattr(model, "stream_trace"):  # another engine (epikv.llamacpp.retention): the same chunks, its own cache
+    if hasattr(model, "stream_trace"):  # another engine (epikv.retention.llamacpp): the same chunks, its own cache
         return model.stream_trace(item, policy, budget, on_logits)
     ids = torch.tensor([item.ids])  # [1, N]
     p, n, tau = len(item.prompt_ids), ids.shape[1], policy.tau

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from .engine import LlamaDecoder, check_policy
-from .model import GGUFModel
+from ..llamacpp.engine import LlamaDecoder, check_policy
+from ..llamacpp.model import GGUFModel
 
 
 class LlamaCppTraces:

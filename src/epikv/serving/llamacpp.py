@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from ..errors import EpiKVError
-from ..serving.backend import Backend, Output, mean_p50
-from . import lib
-from .engine import all_outputs, checked_policy, default_threads, make_context
-from .model import GGUFModel
-from .sequence import SequenceCache
+from ..llamacpp import lib
+from ..llamacpp.engine import all_outputs, checked_policy, default_threads, make_context
+from ..llamacpp.model import GGUFModel
+from ..llamacpp.sequence import SequenceCache
+from .backend import Backend, Output, mean_p50
 
 
 log = logging.getLogger("epikv.serve")
@@ -143,7 +143,7 @@ class LlamaBackend(Backend):
             raise RuntimeError(why)
         sampler = None
         if sampling is not None and sampling.temperature > 0:
-            from ..serving.sampling import RequestSampler
+            from .sampling import RequestSampler
 
             sampler = RequestSampler(sampling, seed, input_ids, max_tokens, "cpu")
         self._inbox.put(("submit", _Req(rid, [int(t) for t in input_ids], int(max_tokens), sampler, ignore_eos)))

@@ -10,8 +10,8 @@ from typing import Callable
 import numpy as np
 
 from ..policies import get_policy
-from .engine import LlamaDecoder, check_policy
-from .model import GGUFModel
+from ..llamacpp.engine import LlamaDecoder, check_policy
+from ..llamacpp.model import GGUFModel
 
 
 class LlamaCppSpeed:
@@ -54,7 +54,7 @@ class SpeedRun:
         self.lengths.append(self.dec.stored())
 
     def summary(self) -> dict:
-        from ..bench.speed import config_summary
+        from .speed import config_summary
 
         return {**config_summary(self.cfg, self.policy, self.times, self.lengths, self.dec.evictions),
                 "kv_cells": self.dec.n_ctx, "kv_bytes": self.dec.kv_bytes()}
@@ -66,7 +66,7 @@ def long_generation(eng: LlamaCppSpeed, policy: str, budget: int, lengths: list[
     """Greedy decode up to max(lengths) new tokens in this process; at each checkpoint the tokens/s of the last
     segment and overall, the cache length, the context's KV bytes (allocated) and the run's KV peak (peak cached
     tokens x bytes per cell): the points of epikv.bench.speed.long_generation, without a process's memory."""
-    from ..bench.speed import random_ids
+    from .speed import random_ids
 
     pol = get_policy(policy, tau=tau, **(settings or {}))
     lengths = sorted(set(lengths))
