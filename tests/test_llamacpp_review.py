@@ -375,3 +375,38 @@ def test_over_limit_and_stop_strings_on_the_llama_cpp_server():
     finally:
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0, "".join(s.err)
+
+
+def test_a_cancelled_request_leaves_no_cell_in_llama_cpp(gm, request):
+    """Cancelled mid-answer while another request runs: from the next step on, llama.cpp holds no cell of its
+    sequence id (its own count, read by the engine thread), and none of either once idle."""
+    from epikv.serving.llamacpp import LlamaBackend
+    from test_llamacpp_serving import _prompts
+
+    be = LlamaBackend(gm, "epikv", 64, 8, ctx=512, sequences=2, max_batch_tokens=128, threads=1)
+    request.addfinalizer(be.stop)
+    ids, after = {}, []  # request -> its sequence id; llama.cpp's cells of a's id in the steps after its cancel
+
+    def on_step(b):
+        running = {r.rid: r.seq.seq for r in b._running}
+        ids.update(running)
+        if "a" in ids and "a" not in running:
+            after.append(b.llama_cells([ids["a"]]))
+
+    be.on_step = on_step
+    a, b = _prompts(gm, 2)
+    be.submit("a", a, 200, sampling=None, seed=0, ignore_eos=True)
+    be.submit("b", b, 40, sampling=None, seed=0, ignore_eos=True)
+    got, ended = {}, set()
+    while "b" not in ended:
+        o = be.next_output(60)
+        assert o is not None and o.error is None
+        got[o.request_id] = len(o.tokens)
+        if o.finished:
+            ended.add(o.request_id)
+        if o.request_id == "a" and len(o.tokens) == 5:
+            be.cancel("a")
+    _wait_idle(be)
+    assert got["a"] < 200 and "a" not in ended and be.stats()["cancelled"] == 1
+    assert after and all(n == 0 for n in after), after
+    assert be.stats()["cells_held_when_idle"] == 0
