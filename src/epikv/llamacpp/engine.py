@@ -32,25 +32,25 @@ from .capture import BlockCapture
 from .model import GGUFModel
 from .sequence import SequenceCache
 
-# Policies that read only hidden states or positions; the others are refused with their reason (check_policy).
-SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full")
+# Policies llama.cpp runs: those that read hidden states or positions, and those that read rotated queries, cached
+# keys/values or the keys/values of arriving tokens (captured from the graph: Qcur / Kcur / Vcur, with a key/value
+# mirror); the others are refused with their reason (check_policy).
+SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
+             "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key")
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache
+ROPE_TYPE_NORM = 0  # llama_rope_type: RoPE on adjacent channel pairs
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}  # the same, for the key/value mirror
 
 
 def check_policy(policy: Policy, n_layers: int) -> None:
-    """Refuse, in one line naming the policy and why, what llama.cpp cannot feed or evict: attention weights, query
-    states and cached keys/values are not readable through its API, and a cell holds a token of every layer and
-    head, so keep sets per head or layer cannot be expressed."""
+    """Refuse, in one line naming the policy and why, what llama.cpp cannot feed or evict: attention weights are
+    not readable (its attention kernels never expose them), and a cell holds a token of every layer and head, so
+    keep sets per head or layer cannot be expressed. Query states and keys/values are captured from the graph."""
     obs = policy.observes(n_layers)
     why = None
     if obs.attention_layers:
         why = "reads attention weights, which llama.cpp's attention kernels never expose"
-    elif obs.queries:
-        why = "reads query states, which llama.cpp's API does not expose"
-    elif obs.keys_values or obs.arriving_kv:
-        what = "the cached keys/values" if obs.keys_values else "the keys/values of arriving tokens"
-        why = f"reads {what}, which llama.cpp's public API does not expose"
     elif policy.granularity != "token":
         why = f"keeps a separate token set per {policy.granularity}; a llama.cpp cell holds a token of every layer"
     elif policy.evicts and policy.uncompressed_layers(n_layers):
@@ -87,20 +87,47 @@ def checked_policy(gm: GGUFModel, policy: str | Policy, budget: int | None, tau:
     return pol, blocks
 
 
+def attn_shape(gm: GGUFModel) -> tuple[int, int, int]:
+    """(n_head, n_head_kv, head_dim) of the model: the rows of its Qcur / Kcur / Vcur nodes."""
+    from .model import _meta
+
+    ll = lib.load().ll
+    n_head = int(ll.llama_model_n_head(gm.ptr))
+    dim = _meta(ll, gm.ptr, f"{gm.arch}.attention.key_length")
+    return n_head, gm.n_head_kv, int(dim) if dim else gm.n_embd // max(n_head, 1)
+
+
+def attn_plan(gm: GGUFModel, policy: Policy) -> dict[str, list[int]]:
+    """The layers whose rotated queries ("queries") and keys and values ("keys", "values") the capture copies for
+    this policy: exactly what it observes, nothing for a policy that reads none."""
+    obs = policy.observes(gm.depth)
+    q = sorted(obs.query_layers or range(gm.n_layers)) if obs.queries else []
+    if q:
+        check_layers(q, gm.n_layers)
+    kv = list(range(gm.n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+    return {"queries": q, "keys": kv, "values": kv}
+
+
 def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:
     """Whether every token must be a logits row: the last block keeps only the output rows otherwise."""
     return bool(blocks) and blocks[-1] == gm.n_layers - 1
 
 
 def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int,
-                 capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None):
+                 capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
+                 attn: dict[str, list[int]] | None = None):
     """A llama.cpp context with one unified KV stream of n_ctx cells (freed cells serve any sequence, and a
-    micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` wired into
-    its eval callback. Returns (ctx, capture or None); keep the capture alive as long as the context."""
+    micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` (and of the
+    queries / keys / values of `attn`'s layers, attn_plan) wired into its eval callback. Returns (ctx, capture or
+    None); keep the capture alive as long as the context."""
     ll = lib.load().ll
     if type_kv not in KV_TYPES:
         raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
-    cap = BlockCapture(blocks, gm.n_embd, n_batch, capture) if blocks else None
+    attn = {k: v for k, v in (attn or {}).items() if v}
+    # Llama GGUFs hold q/k weights permuted for ggml's pairwise RoPE (transformers' GGUF loader undoes it)
+    interleaved = gm.arch == "llama" and int(ll.llama_model_rope_type(gm.ptr)) == ROPE_TYPE_NORM
+    cap = (BlockCapture(blocks, gm.n_embd, n_batch, capture, heads=attn_shape(gm) if attn else (0, 0, 0),
+                        interleaved=interleaved, **attn) if blocks or attn else None)
     cp = ll.llama_context_default_params()
     cp.n_ctx = n_ctx
     cp.n_batch = cp.n_ubatch = n_batch  # one micro-batch a decode: rows in batch order
@@ -143,14 +170,14 @@ class LlamaDecoder(SequenceCache):
         self.threads = threads or default_threads()
         self.ctx, self.capture = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=n_seq_max,
                                               threads=self.threads, capture=capture, type_kv=type_kv,
-                                              flash_attn=flash_attn)
+                                              flash_attn=flash_attn, attn=attn_plan(gm, pol))
         ll = lib.load().ll
         self.all_outputs = all_outputs(gm, blocks)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.n_vocab = gm.tokenizer.n_vocab
         self.type_kv = type_kv
-        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks)
+        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, KV_DTYPES[type_kv])
 
     # -- feeding ------------------------------------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
@@ -197,7 +224,10 @@ class LlamaDecoder(SequenceCache):
         else:
             out = ll.llama_get_logits_ith(self.ctx, t - 1)
             logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
-        self.record(t, self.capture.rows(t) if self.capture is not None else None)
+        cap = self.capture
+        if cap is not None and cap.attn_nodes:
+            self.attend(t, cap.attn_rows(t))
+        self.record(t, cap.rows(t) if cap is not None and cap.blocks else None)
         return logits
 
     # -- lifetime -----------------------------------------------------------------------------------------------------
@@ -294,7 +324,7 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
                      decode_tokens_per_s=n_new / max(seconds - t_prefill, 1e-9),
                      policy=dec.policy.name, budget=dec.budget, tau=dec.tau, seeds=[seed], engine="llama.cpp",
                      threads=dec.threads, capture=dec.capture.method if dec.capture else None,
-                     kv_cells=dec.n_ctx, kv_bytes=dec.kv_bytes())
+                     kv_cells=dec.n_ctx, kv_bytes=dec.kv_bytes(), kv_mirror_bytes=dec.mirror_bytes())
         return GenerationResult(texts=[text], token_ids=[token_ids], prompt_tokens=[len(ids)],
                                 finish_reasons=reasons, stats=stats)
     finally:

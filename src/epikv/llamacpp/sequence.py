@@ -4,6 +4,14 @@ policy data, chronological), the policy fed the captured block outputs through i
 and eviction by removing runs of positions with `llama_memory_seq_rm`, checked against `seq_pos_min` / `seq_pos_max`.
 
 The caller owns the context and the decode; after each decode it hands this sequence its rows (`record`).
+
+For the policies that read keys and values (Observes.keys_values: epikv-seg, epikv-seg-q, lag-kv, lag-kv-key) the
+mirror also holds every cached token's key and value per layer and KV head, as llama.cpp stores them (its type_k /
+type_v: F16 by default, F32 with type_kv="f32"; the captured float32 rows cast the same way), compacted with the
+positions at every eviction: the policy's view.keys / view.values are [1, kv_heads, n, head_dim] views of it, in the
+torch engine's layout. Policies that read the keys/values of arriving tokens only (kv-key, kv-val, the value
+reserve) get those rows in on_tokens and no mirror. Policies that read queries (Observes.queries) get the last w
+rotated queries of their layers, [1, heads, w, head_dim], the newest last, as the torch engine keeps them.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ class SequenceCache:
     budget None for a policy that does not evict)."""
 
     def _init_sequence(self, ll, mem, seq: int, gm: GGUFModel, policy: Policy, budget: int | None,
-                       blocks: list[int]) -> None:
+                       blocks: list[int], kv_dtype: torch.dtype = torch.float16) -> None:
         self._ll, self.mem, self.seq, self.gm = ll, mem, seq, gm
         self.policy = policy
         self.budget = budget if policy.evicts else None
@@ -49,6 +57,18 @@ class SequenceCache:
         # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
         # any other policy is fed every step, as the torch engine does
         self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
+        obs = policy.observes(gm.depth)
+        n_layers = gm.n_layers
+        self._needs_kv = bool(obs.keys_values)
+        self._arriving_kv = bool(obs.arriving_kv) and not obs.keys_values
+        self.kv_layers = list(range(n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+        self._n_queries = int(obs.queries)
+        self.query_layers = sorted(obs.query_layers or range(n_layers)) if obs.queries else []
+        self.kv_dtype = kv_dtype
+        self._kv: torch.Tensor | None = None  # [2, layers, kv_heads, capacity, head_dim]: keys, values (the mirror)
+        self._arriving: list[dict[str, dict[int, np.ndarray]]] = []  # captured K/V rows of the unscored tokens
+        self._queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, <= w, head_dim]
+        self._attended = 0  # tokens whose queries / keys / values `attend` took for the next `record`
 
     def start(self, n_prompt: int) -> None:
         """A prompt of n_prompt tokens is about to be fed: protect its head, refuse what cannot fit the budget."""
@@ -65,9 +85,21 @@ class SequenceCache:
         self.state = self.policy.init_state(1, self.gm.depth, torch.device("cpu"))
         self._prefix = self._len_after_evict = self.n_protect
 
+    def attend(self, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
+        """Before `record` of the same t tokens, for the policies that read queries, keys or values: attn = "q" /
+        "k" / "v" -> layer -> [t, heads, head_dim] of their captured rows (capture.attn_rows; copied here)."""
+        if self.kv_layers or self.query_layers:
+            self._take_attn(self.stored(), t, attn)
+            self._attended = t
+
     def record(self, t: int, rows: dict[int, np.ndarray] | None) -> None:
         """The sequence's next t tokens (positions seen .. seen + t - 1) were decoded; rows: block -> [t, dim] of
-        their captured outputs (copied here). Scores when due and evicts when the policy says so."""
+        their captured outputs (copied here); their queries, keys and values were handed to `attend` first. Scores
+        when due and evicts when the policy says so."""
+        if (self.kv_layers or self.query_layers) and self._attended != t:
+            raise EpiKVError(f"policy {self.policy.name} reads queries, keys or values but those of the {t} new "
+                             "tokens were not captured")
+        self._attended = 0
         p0 = self.seen
         pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
         self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
@@ -87,6 +119,51 @@ class SequenceCache:
         """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
         self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
         self.token_data, self._rows, self._unscored = {}, [], 0
+        self._kv, self._arriving, self._queries = None, [], {}
+
+    # -- keys, values and queries -------------------------------------------------------------------------------------
+    def _take_attn(self, n_old: int, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
+        """Append the t new tokens' keys and values to the mirror (cast as llama.cpp stores them), or keep them
+        for on_tokens (arriving only); roll the query window."""
+        if self._needs_kv:
+            kv = self._kv
+            if kv is None or kv.shape[3] < n_old + t:
+                _, heads, dim = attn["k"][self.kv_layers[0]].shape
+                cap = max(n_old + t, 2 * (kv.shape[3] if kv is not None else 0), (self.budget or 0) + self.tau + 64)
+                grown = torch.zeros(2, len(self.kv_layers), heads, cap, dim, dtype=self.kv_dtype)
+                if kv is not None:
+                    grown[:, :, :, :n_old] = kv[:, :, :, :n_old]
+                self._kv = kv = grown
+            new = np.stack([np.stack([attn[kind][l] for l in self.kv_layers]) for kind in "kv"])  # [2, L, t, H, d]
+            kv[:, :, :, n_old : n_old + t] = torch.from_numpy(new).transpose(2, 3)  # cast to the cache's type
+        elif self._arriving_kv:
+            self._arriving.append({kind: {l: attn[kind][l].astype(np.float32, copy=True) for l in self.kv_layers}
+                                   for kind in "kv"})
+        w = self._n_queries
+        for l in self.query_layers:
+            q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]
+            old = self._queries.get(l)
+            self._queries[l] = q if old is None else torch.cat([old, q], dim=2)[:, :, -w:]
+
+    def cached_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The mirror's keys and values per layer, [1, kv_heads, n, head_dim] views in chronological order (the
+        torch engine's layout), as llama.cpp stores them; ([], []) for a policy that reads none."""
+        if not self._needs_kv or self._kv is None:
+            return [], []
+        n = self.stored()
+        return ([self._kv[0, j, None, :, :n] for j in range(len(self.kv_layers))],
+                [self._kv[1, j, None, :, :n] for j in range(len(self.kv_layers))])
+
+    def mirror_bytes(self) -> int:
+        """Bytes this sequence's key/value mirror holds (0 for a policy that reads no cached keys/values)."""
+        return 0 if self._kv is None else self._kv.numel() * self._kv.element_size()
+
+    def _query_view(self) -> tuple[list, torch.Tensor | None]:
+        if not self._n_queries:
+            return [], None
+        qs = [self._queries.get(l) for l in range(self.gm.n_layers)]
+        w = min(self._n_queries, self.seen)
+        return qs, torch.ones(1, w, dtype=torch.bool)
 
     # -- the mirror ---------------------------------------------------------------------------------------------------
     @property
@@ -127,9 +204,13 @@ class SequenceCache:
             hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
                       for blk in self.blocks}  # [1, u, dim]
         stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
+        keys, values = self.cached_kv()
+        if self._arriving:  # the u new tokens' keys / values, [1, kv_heads, u, head_dim] as the cache stores them
+            keys, values = ([torch.from_numpy(np.concatenate([a[kind][l] for a in self._arriving]))
+                             .transpose(0, 1)[None].to(self.kv_dtype) for l in self.kv_layers] for kind in "kv")
         obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
                               stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
-                              kv_heads=self.gm.n_head_kv)
+                              kv_heads=self.gm.n_head_kv, keys=keys, values=values)
         new = self.policy.on_tokens(self.state, obs)
         for key, x in new.items():
             if key == "pos":
@@ -137,7 +218,7 @@ class SequenceCache:
             if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
                 x = torch.cat([self.token_data[key], x], dim=-1)
             self.token_data[key] = x
-        self._rows, self._unscored = [], 0
+        self._rows, self._unscored, self._arriving = [], 0, []
 
     # -- eviction -----------------------------------------------------------------------------------------------------
     def view(self) -> CacheView:
@@ -147,9 +228,12 @@ class SequenceCache:
         if u:
             data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
                     for k, v in data.items()}
+        keys, values = self.cached_kv()
+        queries, query_valid = self._query_view()
         return CacheView(length=self.stored(), budget=self.budget, token_data=data,
                          n_pad=torch.zeros(1, dtype=torch.long), n_protect=self._n_protect_t,
-                         recent=self.recent, keys=[], values=[], device=torch.device("cpu"))
+                         recent=self.recent, keys=keys, values=values, device=torch.device("cpu"),
+                         queries=queries, query_valid=query_valid)
 
     def evict(self) -> torch.Tensor:
         """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
@@ -193,6 +277,10 @@ class SequenceCache:
         scored = keep[: keep.numel() - u] if u else keep  # the unscored tail is all kept (checked above)
         for key, x in self.token_data.items():
             self.token_data[key] = x.index_select(-1, keep if key == "pos" else scored)
+        if self._kv is not None:  # the key/value mirror follows the same keep set (moved from the first gap on)
+            first = idx[0] if idx else keep.numel()
+            m = keep.numel()
+            self._kv[:, :, :, first:m] = self._kv.index_select(3, keep[first:])
         self.evictions += 1
         self._len_after_evict = self.stored()
         self._check_mirror()

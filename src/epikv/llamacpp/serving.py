@@ -32,14 +32,14 @@ import torch
 from ..errors import EpiKVError
 from ..serving.backend import Backend, Output, mean_p50
 from . import lib
-from .engine import all_outputs, checked_policy, default_threads, make_context
+from .engine import KV_DTYPES, all_outputs, attn_plan, checked_policy, default_threads, make_context
 from .model import GGUFModel
 from .sequence import SequenceCache
 
 
 class _Seq(SequenceCache):
-    def __init__(self, ll, mem, seq, gm, policy, budget, blocks) -> None:
-        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks)
+    def __init__(self, ll, mem, seq, gm, policy, budget, blocks, kv_dtype=torch.float16) -> None:
+        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks, kv_dtype)
 
 
 @dataclass
@@ -93,7 +93,7 @@ class LlamaBackend(Backend):
         self._ll = ll = lib.load().ll
         self.ctx, self.capture = make_context(gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens,
                                               n_seq_max=sequences + spare_sequences, threads=self.threads, capture=capture,
-                                              type_kv=type_kv, flash_attn=flash_attn)
+                                              type_kv=type_kv, flash_attn=flash_attn, attn=attn_plan(gm, self.policy))
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(max_batch_tokens, 0, 1)
@@ -177,6 +177,7 @@ class LlamaBackend(Backend):
         c.update(engine="llama.cpp", cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
+                 kv_mirror_bytes=sum(r.seq.mirror_bytes() for r in list(self._running) if r.seq is not None),
                  running=len(self._running), waiting=len(self._waiting))
         return c
 
@@ -253,7 +254,8 @@ class LlamaBackend(Backend):
             if self.cells - self._held() - promised < self.need(r):
                 return
             self._waiting.popleft()
-            r.seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks)
+            r.seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks,
+                         KV_DTYPES[self.type_kv])
             r.fed = 0
             try:
                 r.seq.start(len(r.prompt))
@@ -349,12 +351,16 @@ class LlamaBackend(Backend):
         if self._waiting and self._free_ids:  # admission stopped at the cells (or a preemption's hold), not the ids
             self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
         self.counters["batch_rows"] += j
-        rows = self.capture.rows(j) if self.capture is not None else None  # block -> [j, dim], batch order
+        cap = self.capture
+        rows = cap.rows(j) if cap is not None and cap.blocks else None  # block -> [j, dim], batch order
+        attn = cap.attn_rows(j) if cap is not None and cap.attn_nodes else None  # q/k/v -> layer -> [j, heads, dim]
         off = 0
         for r, toks in plan:
             t = len(toks)
             logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, off + t - 1), shape=(self.n_vocab,))
             try:
+                if attn is not None:
+                    r.seq.attend(t, {k: {l: x[off: off + t] for l, x in d.items()} for k, d in attn.items()})
                 r.seq.record(t, {blk: x[off: off + t] for blk, x in rows.items()} if rows is not None else None)
             except EpiKVError as e:
                 self._fail(r, str(e))
