@@ -178,6 +178,7 @@ class LlamaDecoder(SequenceCache):
         self.n_vocab = gm.tokenizer.n_vocab
         self.type_kv = type_kv
         self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, KV_DTYPES[type_kv])
+        self.mirror_cells = self.n_ctx  # the mirror holds as many cells as the context (its keys and values again)
 
     # -- feeding ------------------------------------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:

@@ -66,6 +66,7 @@ class SequenceCache:
         self.query_layers = sorted(obs.query_layers or range(n_layers)) if obs.queries else []
         self.kv_dtype = kv_dtype
         self._kv: torch.Tensor | None = None  # [2, layers, kv_heads, capacity, head_dim]: keys, values (the mirror)
+        self.mirror_cells: int | None = None  # the most cells this sequence can hold (set by the caller): the capacity
         self._arriving: list[dict[str, dict[int, np.ndarray]]] = []  # captured K/V rows of the unscored tokens
         self._queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, <= w, head_dim]
         self._attended = 0  # tokens whose queries / keys / values `attend` took for the next `record`
@@ -129,7 +130,7 @@ class SequenceCache:
             kv = self._kv
             if kv is None or kv.shape[3] < n_old + t:
                 _, heads, dim = attn["k"][self.kv_layers[0]].shape
-                cap = max(n_old + t, 2 * (kv.shape[3] if kv is not None else 0), (self.budget or 0) + self.tau + 64)
+                cap = max(n_old + t, 2 * kv.shape[3] if kv is not None else self.mirror_cells or 0)
                 grown = torch.zeros(2, len(self.kv_layers), heads, cap, dim, dtype=self.kv_dtype)
                 if kv is not None:
                     grown[:, :, :, :n_old] = kv[:, :, :, :n_old]

@@ -256,6 +256,9 @@ class LlamaBackend(Backend):
             self._waiting.popleft()
             r.seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks,
                          KV_DTYPES[self.type_kv])
+            # a sequence holds at most budget + tau - 1 cells and a step's rows
+            r.seq.mirror_cells = min(self.cells, self.budget + self.policy.tau + self.max_batch if self.budget
+                                     else self.cells)
             r.fed = 0
             try:
                 r.seq.start(len(r.prompt))
