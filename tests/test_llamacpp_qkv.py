@@ -86,22 +86,18 @@ def replay_keeps(policy, feeds, keeps, p, budget, depth, kv_dtype=torch.float16)
     recent = policy.recent_window(budget)
     w = obs.queries
     pos = torch.zeros(0, dtype=torch.long)
-    keys = [torch.zeros(1, 0, 0, 0, dtype=kv_dtype)] * n_layers
-    values = list(keys)
+    kv = {"k": [], "v": []}  # per layer [1, kv_heads, n, head_dim]: all stored (keys_values) or the new (arriving)
     data: dict[str, torch.Tensor] = {}
     queries: dict[int, torch.Tensor] = {}
     seen, len_after, i = 0, p, 0
     for f in feeds:
         t = f["t"]
         new = torch.arange(seen, seen + t)[None]
-        kv_new = {k: [torch.from_numpy(f["attn"][k][l]).transpose(0, 1)[None].to(kv_dtype) for l in range(n_layers)]
-                  for k in "kv"} if f["attn"]["k"] else None
-        if kv_new is not None:
-            if obs.keys_values:
-                keys = [torch.cat([a, b], 2) if a.numel() else b for a, b in zip(keys, kv_new["k"])]
-                values = [torch.cat([a, b], 2) if a.numel() else b for a, b in zip(values, kv_new["v"])]
-            else:
-                keys, values = kv_new["k"], kv_new["v"]
+        for k in "kv":
+            if f["attn"][k]:
+                new_kv = [torch.from_numpy(f["attn"][k][l]).transpose(0, 1)[None].to(kv_dtype) for l in range(n_layers)]
+                kv[k] = [torch.cat([a, b], 2) for a, b in zip(kv[k], new_kv)] if obs.keys_values and kv[k] else new_kv
+        keys, values = kv["k"], kv["v"]
         for l, q in f["attn"]["q"].items():
             q = torch.from_numpy(q).transpose(0, 1)[None]
             queries[l] = q if l not in queries else torch.cat([queries[l], q], 2)[:, :, -w:]
@@ -127,8 +123,7 @@ def replay_keeps(policy, feeds, keeps, p, budget, depth, kv_dtype=torch.float16)
             pos = pos[keep]
             data = {k: x.index_select(-1, keep) for k, x in data.items()}
             if obs.keys_values:
-                keys = [x.index_select(2, keep) for x in keys]
-                values = [x.index_select(2, keep) for x in values]
+                kv = {k: [x.index_select(2, keep) for x in xs] for k, xs in kv.items()}
             len_after = pos.numel()
             i += 1
     assert i == len(keeps)
@@ -182,7 +177,8 @@ def test_captured_qkv_are_the_torch_engines(gm, smollm2, prompt_ids):
     / key before RoPE (>= 61 %) or in ggml's channel order (>= 140 %) is not (median > 40 %)."""
     from epikv.llamacpp import LlamaDecoder
 
-    dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=256, type_kv="f32", flash_attn=False, threads=1)
+    # Seg's value swap makes Seg-Q read the values too
+    dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=256, type_kv="f32", flash_attn=False, threads=1, swap=8)
     qa = dec.policy.query_layer(gm.depth)
     assert dec.query_layers == [qa] and dec.kv_layers == list(range(gm.n_layers))
     feeds, _ = recording(dec)
@@ -213,7 +209,7 @@ def test_python_callback_captures_the_same_queries_keys_values(gm, prompt_ids):
 
     out = {}
     for method in ("c", "python"):
-        dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=128, capture=method, threads=1)
+        dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=128, capture=method, threads=1, swap=8)
         assert dec.capture.method == method
         feeds, _ = recording(dec)
         dec.prefill(prompt_ids)
@@ -224,6 +220,7 @@ def test_python_callback_captures_the_same_queries_keys_values(gm, prompt_ids):
     assert ac == ap > 0 and len(fc) == len(fp) == 2
     for a, b in zip(fc, fp):
         for kind in "qkv":
+            assert a["attn"][kind]
             assert a["attn"][kind].keys() == b["attn"][kind].keys()
             for l in a["attn"][kind]:
                 assert np.array_equal(a["attn"][kind][l], b["attn"][kind][l]), (kind, l)
@@ -237,9 +234,12 @@ def test_plain_epikv_captures_no_queries_keys_values(gm):
     assert dec.capture.attn_nodes == [] and dec.capture.struct.n == len(dec.blocks) == 2
     assert dec.kv_layers == dec.query_layers == [] and dec.mirror_bytes() == 0
     dec.close()
-    dec = LlamaDecoder(gm, "kv-key", 72, max_tokens=80, threads=1)  # keys and values on arrival: no mirror
-    assert [n[0] for n in dec.capture.attn_nodes] == ["k"] * gm.n_layers + ["v"] * gm.n_layers
+    dec = LlamaDecoder(gm, "kv-key", 72, max_tokens=80, threads=1)  # keys on arrival: no mirror, no values
+    assert [n[0] for n in dec.capture.attn_nodes] == ["k"] * gm.n_layers
     assert dec.query_layers == [] and dec.mirror_bytes() == 0
+    dec.close()
+    dec = LlamaDecoder(gm, "epikv-seg-q", 72, max_tokens=80, threads=1)  # its query layer and every layer's keys
+    assert [n[:2] for n in dec.capture.attn_nodes] == [("q", 10)] + [("k", l) for l in range(gm.n_layers)]
     dec.close()
 
 
@@ -304,17 +304,20 @@ def assert_mirror_is_the_cache(dec, ctx, capture):
         kl = keys[l].reshape(n, dec.gm.n_head_kv, -1)
         kl = kl[..., perm] if perm is not None else kl
         assert np.array_equal(mk[l][0].transpose(0, 1).numpy(), kl), f"layer {l} keys"
-        assert np.array_equal(mv[l][0].transpose(0, 1).numpy(), values[l].reshape(n, dec.gm.n_head_kv, -1)), l
+        if mv:  # a policy that reads values (Observes.kv_parts) mirrors them too
+            assert np.array_equal(mv[l][0].transpose(0, 1).numpy(), values[l].reshape(n, dec.gm.n_head_kv, -1)), l
 
 
-@pytest.mark.parametrize("type_kv, flash", [("f16", False), ("f32", True)])
-def test_kv_mirror_holds_exactly_llamacpps_cells(gm, prompt_ids, type_kv, flash):
+@pytest.mark.parametrize("name, type_kv, flash", [("epikv-seg-q", "f16", False), ("lag-kv", "f32", True),
+                                                   ("lag-kv", "f16", False)])
+def test_kv_mirror_holds_exactly_llamacpps_cells(gm, prompt_ids, name, type_kv, flash):
     """After every eviction of a run at tau 16 (runs of several positions removed at once) the mirror's positions,
     keys and values are bit for bit what llama.cpp's cells hold (cast as it stores them: F16 by default, F32 with
-    type_kv="f32"; V transposed with flash attention off)."""
+    type_kv="f32"; V transposed with flash attention off). Seg-Q reads keys only: its mirror holds no values and is
+    half the KV cache's bytes; lag-kv's holds both, as many bytes as the cache."""
     from epikv.llamacpp import LlamaDecoder
 
-    dec = LlamaDecoder(gm, "epikv-seg-q", 96, tau=16, max_tokens=len(prompt_ids) + 120, type_kv=type_kv,
+    dec = LlamaDecoder(gm, name, 96, tau=16, max_tokens=len(prompt_ids) + 120, type_kv=type_kv,
                        flash_attn=flash, threads=1)
     checked = []
     dec.on_evict = lambda d, keep: checked.append(d.seen)
@@ -325,7 +328,8 @@ def test_kv_mirror_holds_exactly_llamacpps_cells(gm, prompt_ids, type_kv, flash)
         if dec.evictions > before:
             assert_mirror_is_the_cache(dec, dec.ctx, dec.capture)
     assert len(checked) >= 4
-    assert dec.mirror_bytes() > 0
+    assert dec.mirror_bytes() == dec.kv_bytes() // (2 if name == "epikv-seg-q" else 1)
+    assert (dec.cached_kv()[1] == []) == (name == "epikv-seg-q")
     assert dec.cached_kv()[0][0].dtype == (torch.float16 if type_kv == "f16" else torch.float32)
     dec.close()
 

@@ -105,7 +105,7 @@ def attn_plan(gm: GGUFModel, policy: Policy) -> dict[str, list[int]]:
     if q:
         check_layers(q, gm.n_layers)
     kv = list(range(gm.n_layers)) if (obs.keys_values or obs.arriving_kv) else []
-    return {"queries": q, "keys": kv, "values": kv}
+    return {"queries": q, "keys": kv if "k" in obs.kv_parts else [], "values": kv if "v" in obs.kv_parts else []}
 
 
 def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:

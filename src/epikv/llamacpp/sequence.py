@@ -62,10 +62,12 @@ class SequenceCache:
         self._needs_kv = bool(obs.keys_values)
         self._arriving_kv = bool(obs.arriving_kv) and not obs.keys_values
         self.kv_layers = list(range(n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+        self.kv_parts = "".join(k for k in "kv" if k in obs.kv_parts) if self.kv_layers else ""  # what is read
         self._n_queries = int(obs.queries)
         self.query_layers = sorted(obs.query_layers or range(n_layers)) if obs.queries else []
         self.kv_dtype = kv_dtype
-        self._kv: torch.Tensor | None = None  # [2, layers, kv_heads, capacity, head_dim]: keys, values (the mirror)
+        # [parts, layers, kv_heads, capacity, head_dim]: the keys and / or values the policy reads (the mirror)
+        self._kv: torch.Tensor | None = None
         self.mirror_cells: int | None = None  # the most cells this sequence can hold (set by the caller): the capacity
         self._arriving: list[dict[str, dict[int, np.ndarray]]] = []  # captured K/V rows of the unscored tokens
         self._queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, <= w, head_dim]
@@ -128,18 +130,19 @@ class SequenceCache:
         for on_tokens (arriving only); roll the query window."""
         if self._needs_kv:
             kv = self._kv
+            parts = self.kv_parts
             if kv is None or kv.shape[3] < n_old + t:
-                _, heads, dim = attn["k"][self.kv_layers[0]].shape
+                _, heads, dim = attn[parts[0]][self.kv_layers[0]].shape
                 cap = max(n_old + t, 2 * kv.shape[3] if kv is not None else self.mirror_cells or 0)
-                grown = torch.zeros(2, len(self.kv_layers), heads, cap, dim, dtype=self.kv_dtype)
+                grown = torch.zeros(len(parts), len(self.kv_layers), heads, cap, dim, dtype=self.kv_dtype)
                 if kv is not None:
                     grown[:, :, :, :n_old] = kv[:, :, :, :n_old]
                 self._kv = kv = grown
-            new = np.stack([np.stack([attn[kind][l] for l in self.kv_layers]) for kind in "kv"])  # [2, L, t, H, d]
+            new = np.stack([np.stack([attn[kind][l] for l in self.kv_layers]) for kind in parts])  # [P, L, t, H, d]
             kv[:, :, :, n_old : n_old + t] = torch.from_numpy(new).transpose(2, 3)  # cast to the cache's type
         elif self._arriving_kv:
             self._arriving.append({kind: {l: attn[kind][l].astype(np.float32, copy=True) for l in self.kv_layers}
-                                   for kind in "kv"})
+                                   for kind in self.kv_parts})
         w = self._n_queries
         for l in self.query_layers:
             q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]
@@ -148,12 +151,12 @@ class SequenceCache:
 
     def cached_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The mirror's keys and values per layer, [1, kv_heads, n, head_dim] views in chronological order (the
-        torch engine's layout), as llama.cpp stores them; ([], []) for a policy that reads none."""
+        torch engine's layout), as llama.cpp stores them; [] for what the policy does not read (Observes.kv_parts)."""
         if not self._needs_kv or self._kv is None:
             return [], []
         n = self.stored()
-        return ([self._kv[0, j, None, :, :n] for j in range(len(self.kv_layers))],
-                [self._kv[1, j, None, :, :n] for j in range(len(self.kv_layers))])
+        return tuple([self._kv[self.kv_parts.index(kind), j, None, :, :n] for j in range(len(self.kv_layers))]
+                     if kind in self.kv_parts else [] for kind in "kv")
 
     def mirror_bytes(self) -> int:
         """Bytes this sequence's key/value mirror holds (0 for a policy that reads no cached keys/values)."""
@@ -208,7 +211,8 @@ class SequenceCache:
         keys, values = self.cached_kv()
         if self._arriving:  # the u new tokens' keys / values, [1, kv_heads, u, head_dim] as the cache stores them
             keys, values = ([torch.from_numpy(np.concatenate([a[kind][l] for a in self._arriving]))
-                             .transpose(0, 1)[None].to(self.kv_dtype) for l in self.kv_layers] for kind in "kv")
+                             .transpose(0, 1)[None].to(self.kv_dtype) for l in self.kv_layers]
+                            if kind in self.kv_parts else [] for kind in "kv")
         obs = StepObservation(hidden=hidden, attentions={}, valid=torch.ones(1, u, dtype=torch.bool), positions=pos,
                               stored=stored, n_protect=self._n_protect_t, in_prompt=pos < self.n_prompt,
                               kv_heads=self.gm.n_head_kv, keys=keys, values=values)
