@@ -226,6 +226,24 @@ def test_python_callback_captures_the_same_queries_keys_values(gm, prompt_ids):
                 assert np.array_equal(a["attn"][kind][l], b["attn"][kind][l]), (kind, l)
 
 
+def test_a_missing_or_misshapen_node_is_refused(gm, prompt_ids):
+    """A graph without the rotated key node (a builder that names none) or with a node of another shape is refused
+    in one line, not scored from zeros or misread rows."""
+    from epikv.llamacpp import LlamaDecoder
+
+    dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=128, threads=1)
+    i = len(dec.capture.blocks) + 1  # the first key node (after the query node)
+    dec.capture.struct.names[i].value = b"Kcur-nowhere"
+    with pytest.raises(EpiKVError, match=r"has no node Kcur-0 \(ROPE node\): its builder does not name the rotated keys"):
+        dec.prefill(prompt_ids)
+    dec.close()
+    dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=128, threads=1)
+    dec.capture._want_ne[1, 1] = 4  # a key node of 4 heads expected where the model has 3
+    with pytest.raises(EpiKVError, match=r"Kcur-0 \(ROPE node\) has shape \[64, 3, \d+, 1\]"):
+        dec.prefill(prompt_ids)
+    dec.close()
+
+
 def test_plain_epikv_captures_no_queries_keys_values(gm):
     """A policy that reads no queries, keys or values gets no such node asked for (its step pays nothing)."""
     from epikv.llamacpp import LlamaDecoder

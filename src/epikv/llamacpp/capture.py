@@ -116,10 +116,17 @@ class BlockCapture:
         self.unpermute = (np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
                           if interleaved and head_dim else None)
         ops = op_numbers() if (queries or keys or values) else {}
-        # the query / key / value nodes: (kind, layer, node name, op wanted, buffer [tokens, heads, head_dim])
-        self.attn_nodes = [(kind, l, f"{KINDS[kind][0]}-{l}", ops.get(KINDS[kind][1], -1),
-                            np.zeros((max_tokens, n_head if kind == "q" else n_head_kv, head_dim), np.float32))
-                           for kind, layers in (("q", queries), ("k", keys), ("v", values)) for l in layers]
+        # one buffer per kind, [layers, tokens, heads, head_dim]; the query / key / value nodes: (kind, layer, node
+        # name, op wanted, its buffer [tokens, heads, head_dim])
+        self.attn_layers = {kind: list(ls) for kind, ls in (("q", queries), ("k", keys), ("v", values))}
+        self.attn_buf = {kind: np.zeros((len(ls), max_tokens, n_head if kind == "q" else n_head_kv, head_dim),
+                                        np.float32) for kind, ls in self.attn_layers.items()}
+        self.attn_nodes = [(kind, l, f"{KINDS[kind][0]}-{l}", ops.get(KINDS[kind][1], -1), self.attn_buf[kind][j])
+                           for kind, ls in self.attn_layers.items() for j, l in enumerate(ls)]
+        heads_of = [buf.shape[1] for *_, buf in self.attn_nodes]
+        self._want_ne = np.array([[head_dim, h, 0, 1] for h in heads_of], dtype=np.int64).reshape(-1, 4)
+        self._want_nb = np.array([[4, 4 * head_dim, 4 * head_dim * h] for h in heads_of], dtype=np.uint64).reshape(-1, 3)
+        self._row_bytes = np.array([4 * head_dim * h for h in heads_of], dtype=np.uint64)
         s = _Struct()
         s.get_name = ctypes.cast(L.ggml.ggml_get_name, ctypes.c_void_p).value
         s.nbytes = ctypes.cast(L.ggml.ggml_nbytes, ctypes.c_void_p).value
@@ -136,6 +143,9 @@ class BlockCapture:
             s.cap[i] = buf.nbytes
             s.want_op[i] = op
         self.struct = s
+        # numpy views of what the callback reports per node (bytes, type, shape, strides): checked at once
+        self._got, self._type = np.ctypeslib.as_array(s.got), np.ctypeslib.as_array(s.type)
+        self._ne, self._nb = np.ctypeslib.as_array(s.ne), np.ctypeslib.as_array(s.nb)
         self.user_data = ctypes.cast(ctypes.pointer(s), ctypes.c_void_p)
         proto = L.ll.ggml_backend_sched_eval_callback
         so = build_c() if method in ("auto", "c") else None
@@ -205,9 +215,27 @@ class BlockCapture:
         """"q" / "k" / "v" -> layer -> [n_tokens, heads, head_dim] float32 of the last forward, each head's channels
         in transformers' order (views of the buffers, or copies when reordered: copy to keep); EpiKVError when a node was not seen with its op (a builder that names no rotated
         Qcur / Kcur or no Vcur), or was not float32 [head_dim, heads, n_tokens] laid out contiguously."""
-        out: dict[str, dict[int, np.ndarray]] = {"q": {}, "k": {}, "v": {}}
         s = self.struct
-        for i, (kind, l, name, op, buf) in enumerate(self.attn_nodes, start=len(self.blocks)):
+        lo, hi = len(self.blocks), len(self.blocks) + len(self.attn_nodes)
+        want_ne = self._want_ne.copy()
+        want_ne[:, 2] = n_tokens
+        ok = ((self._got[lo:hi] == self._row_bytes * np.uint64(n_tokens)) & (self._type[lo:hi] == GGML_TYPE_F32)
+              & (self._ne[lo:hi] == want_ne).all(1) & (self._nb[lo:hi, :3] == self._want_nb).all(1))
+        if not ok.all():
+            self._refuse(n_tokens)
+        out: dict[str, dict[int, np.ndarray]] = {}
+        for kind, ls in self.attn_layers.items():
+            rows = self.attn_buf[kind][:, :n_tokens]  # [layers, tokens, heads, dim]
+            if self.unpermute is not None and kind != "v" and ls:
+                rows = rows[..., self.unpermute]  # one copy for every layer
+            out[kind] = {l: rows[j] for j, l in enumerate(ls)}
+        return out
+
+    def _refuse(self, n_tokens: int) -> None:
+        """The one-line error of attn_rows for its first node that fails a check."""
+        s = self.struct
+        for j, (kind, l, name, op, buf) in enumerate(self.attn_nodes):
+            i = len(self.blocks) + j
             got = s.got[i]
             what = f"{name} ({KINDS[kind][1]} node)"
             if got == 0:
@@ -216,15 +244,13 @@ class BlockCapture:
                                  " the policy reads, so they cannot be captured")
             if s.type[i] != GGML_TYPE_F32:
                 raise EpiKVError(f"{what} is of ggml type {s.type[i]}, not float32")
-            _, heads, dim = buf.shape
+            dim, heads = (int(x) for x in self._want_ne[j, :2])
             ne, nb = tuple(s.ne[i]), tuple(s.nb[i])
-            want_ne, want_nb = (dim, heads, n_tokens, 1), (4, 4 * dim, 4 * dim * heads)
-            if ne != want_ne or nb[:3] != want_nb or got != 4 * dim * heads * n_tokens:
+            want_ne, want_nb = (dim, heads, n_tokens, 1), tuple(int(x) for x in self._want_nb[j])
+            if ne != want_ne or nb[:3] != want_nb or got != int(self._row_bytes[j]) * n_tokens:
                 raise EpiKVError(f"{what} has shape {list(ne)} and strides {list(nb)} ({got} bytes) for {n_tokens} "
                                  f"tokens: not one contiguous [{dim}, {heads}] row a token as expected")
-            rows = buf[:n_tokens]
-            out[kind][l] = rows[..., self.unpermute] if self.unpermute is not None and kind != "v" else rows
-        return out
+        raise EpiKVError("the captured query/key/value nodes failed a check")  # (not reached: one node failed)
 
     @property
     def asks(self) -> int:
