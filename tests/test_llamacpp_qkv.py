@@ -464,3 +464,20 @@ def test_per_head_and_attention_policies_stay_refused(gm, name):
     with pytest.raises(EpiKVError, match=rf"policy {name} is not supported by --engine llama.cpp: it (reads attention|"
                                          r"keeps a separate|leaves some layers)"):
         check_policy(get_policy(name), gm.depth)
+
+
+@pytest.mark.parametrize("cmd, name", [("generate", "tova"), ("generate", "h2o-global"), ("serve", "keydiff")])
+def test_cli_refuses_them_in_one_line(cmd, name):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extra = ["--prompt", "hi", "--max-new-tokens", "2"] if cmd == "generate" else ["--ctx", "512", "--sequences", "2",
+                                                                                    "--port", "0"]
+    p = subprocess.run([sys.executable, "-m", "epikv.cli", cmd, "--engine", "llama.cpp", "--policy", name,
+                        "--budget", "64", *extra], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root / "src")})
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+    assert f"policy {name} is not supported by --engine llama.cpp: it " in p.stderr
