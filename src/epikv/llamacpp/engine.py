@@ -1,9 +1,10 @@
 """EPIKV inside llama.cpp: one sequence decoded through llama-cpp-python's low-level API, its KV cache kept within
 the budget by removing the policy's evicted tokens with `llama_memory_seq_rm`.
 
-- The policy is the one the torch engine runs (epikv.policies): it is fed the captured block outputs through
-  `on_tokens` and chooses with its own `keep` (the shared `select_keep` rule) over a mirror of the cache held here:
-  the true position and per-token data of every cached token, in chronological order.
+- The policy is the one the torch engine runs (epikv.policies): it is fed the captured block outputs (and, for the
+  policies that read them, the rotated queries, keys and values: capture.py) through `on_tokens` and chooses with
+  its own `keep` (the shared `select_keep` rule, or its own) over a mirror of the cache held here: the true position
+  and per-token data of every cached token, in chronological order, and the cached keys / values it reads.
 - Eviction removes runs of positions from the sequence. Every other cell keeps its position and its key, rotated
   when it was written, so kept tokens keep their true positions and new tokens continue at seen + 1. The newest
   token is never removed (llama.cpp requires the next token to follow the sequence's highest position): such a
