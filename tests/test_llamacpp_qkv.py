@@ -234,7 +234,7 @@ def test_a_missing_or_misshapen_node_is_refused(gm, prompt_ids):
     dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=128, threads=1)
     i = len(dec.capture.blocks) + 1  # the first key node (after the query node)
     dec.capture.struct.names[i].value = b"Kcur-nowhere"
-    with pytest.raises(EpiKVError, match=r"has no node Kcur-0 \(ROPE node\): its builder does not name the rotated keys"):
+    with pytest.raises(EpiKVError, match=r"no node Kcur-0 \(ROPE node\): its builder does not name the rotated keys"):
         dec.prefill(prompt_ids)
     dec.close()
     dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=128, threads=1)
@@ -453,7 +453,7 @@ def test_server_runs_seg_q_per_sequence(gm, prompt_ids, request, monkeypatch):
         assert replay_keeps(s.policy, feeds, keeps, s.n_prompt, K, gm.depth) == len(keeps)
 
 
-# -- what stays refused --------------------------------------------------------------------------------------------------
+# -- what stays refused ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["h2o", "snapkv", "rkv", "lagkv", "keydiff", "knorm", "tova", "h2o-global", "raas",
                                   "thinkv"])

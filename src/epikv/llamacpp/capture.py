@@ -125,7 +125,8 @@ class BlockCapture:
                            for kind, ls in self.attn_layers.items() for j, l in enumerate(ls)]
         heads_of = [buf.shape[1] for *_, buf in self.attn_nodes]
         self._want_ne = np.array([[head_dim, h, 0, 1] for h in heads_of], dtype=np.int64).reshape(-1, 4)
-        self._want_nb = np.array([[4, 4 * head_dim, 4 * head_dim * h] for h in heads_of], dtype=np.uint64).reshape(-1, 3)
+        self._want_nb = np.array([[4, 4 * head_dim, 4 * head_dim * h] for h in heads_of],
+                                 dtype=np.uint64).reshape(-1, 3)
         self._row_bytes = np.array([4 * head_dim * h for h in heads_of], dtype=np.uint64)
         s = _Struct()
         s.get_name = ctypes.cast(L.ggml.ggml_get_name, ctypes.c_void_p).value
@@ -213,8 +214,9 @@ class BlockCapture:
 
     def attn_rows(self, n_tokens: int) -> dict[str, dict[int, np.ndarray]]:
         """"q" / "k" / "v" -> layer -> [n_tokens, heads, head_dim] float32 of the last forward, each head's channels
-        in transformers' order (views of the buffers, or copies when reordered: copy to keep); EpiKVError when a node was not seen with its op (a builder that names no rotated
-        Qcur / Kcur or no Vcur), or was not float32 [head_dim, heads, n_tokens] laid out contiguously."""
+        in transformers' order (views of the buffers, or copies when reordered: copy to keep); EpiKVError when a node
+        was not seen with its op (a builder that names no rotated Qcur / Kcur or no Vcur), or was not float32
+        [head_dim, heads, n_tokens] laid out contiguously."""
         s = self.struct
         lo, hi = len(self.blocks), len(self.blocks) + len(self.attn_nodes)
         want_ne = self._want_ne.copy()
@@ -239,9 +241,9 @@ class BlockCapture:
             got = s.got[i]
             what = f"{name} ({KINDS[kind][1]} node)"
             if got == 0:
+                noun = {"q": "rotated queries", "k": "rotated keys", "v": "values"}[kind]
                 raise EpiKVError(f"llama.cpp's graph for this model has no node {what}: its builder does not name "
-                                 f"the {'rotated ' if kind != 'v' else ''}{dict(q='queries', k='keys', v='values')[kind]}"
-                                 " the policy reads, so they cannot be captured")
+                                 f"the {noun} the policy reads, so they cannot be captured")
             if s.type[i] != GGML_TYPE_F32:
                 raise EpiKVError(f"{what} is of ggml type {s.type[i]}, not float32")
             dim, heads = (int(x) for x in self._want_ne[j, :2])

@@ -9,8 +9,9 @@ For the policies that read cached keys and values (Observes.keys_values: epikv-s
 the mirror also holds every cached token's key and / or value (Observes.kv_parts: what the policy reads) per layer and
 KV head, as llama.cpp stores them (its type_k / type_v: F16 by default, F32 with type_kv="f32"; the captured float32
 rows cast the same way), compacted with the positions at every eviction: the policy's view.keys / view.values are
-[1, kv_heads, n, head_dim] views of it, in the torch engine's layout ([] for a part it does not read). Policies that read the keys/values of arriving tokens only (kv-key, kv-val, the value
-reserve) get those rows in on_tokens and no mirror. Policies that read queries (Observes.queries) get the last w
+[1, kv_heads, n, head_dim] views of it, in the torch engine's layout ([] for a part it does not read). Policies that
+read the keys/values of arriving tokens only (kv-key, kv-val, the value reserve) get those rows in on_tokens and no
+mirror. Policies that read queries (Observes.queries) get the last w
 rotated queries of their layers, [1, heads, w, head_dim], the newest last, as the torch engine keeps them.
 """
 
