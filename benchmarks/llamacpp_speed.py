@@ -1,6 +1,8 @@
 """Speed and memory of EPIKV inside llama.cpp (`epikv.llamacpp`) on the embedded GGUF, as ratios from one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py step --out benchmarks/results/llamacpp/step.json
+    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py step --policy epikv-seg-q \
+        --out benchmarks/results/llamacpp/step-seg-q.json
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py long --out benchmarks/results/llamacpp/long.json
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py capture --out benchmarks/results/llamacpp/capture.json
     PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py interleaved --out benchmarks/results/llamacpp/interleaved.json
@@ -9,7 +11,9 @@ step: decode tokens/s at batch 1, K = 512, --gen new tokens after the chat promp
   rounds of --round tokens in one process (each has its own context): plain llama.cpp with the whole cache and
   held at K by removing the oldest decode token (both a bare ctypes loop: no callback, no policy), epikv with the C
   capture, epikv with the Python capture, and epikv in the torch engine (float32, SDPA). The figure per
-  configuration is its total decode time over its tokens; ratios are against the two plain runs.
+  configuration is its total decode time over its tokens; ratios are against the two plain runs. --policy P (a
+  policy llama.cpp runs, at its shipped settings) replaces epikv in the llama.cpp and torch configurations; epikv
+  with the C capture stays as a reference row.
 long: tokens/s over each 1,000 tokens of a --gen-token generation (EOS ignored), epikv K = 512 against plain
   llama.cpp with the whole cache, each in its own child process (peak RSS of that process; KV bytes of its
   context), the two alternating segment by segment is not possible across processes, so they run one after the
@@ -101,7 +105,7 @@ class _Raw:
 
 
 class _Torch:
-    def __init__(self, ids, budget, total):
+    def __init__(self, ids, budget, total, policy="epikv"):
         import torch
 
         from epikv import load_model
@@ -110,7 +114,7 @@ class _Torch:
         torch.set_num_threads(ARGS.threads)
         self.torch = torch
         lm = load_model("smollm2")
-        self.dec = Decoder(lm.model, "epikv", budget)
+        self.dec = Decoder(lm.model, policy, budget)
         with torch.inference_mode():
             self.logits = self.dec.prefill(torch.tensor([ids]), [0])
 
@@ -126,14 +130,17 @@ def step(args):
     gm = load_gguf("smollm2")
     ids = _prompt_ids(gm)
     total = args.gen
+    pol = args.policy
     configs = {
         "plain llama.cpp, whole cache": lambda: _Raw(gm, ids, total),
         f"plain llama.cpp, held at K={args.budget} (oldest removed)": lambda: _Raw(gm, ids, total, args.budget),
-        "epikv llama.cpp (C capture)": lambda: _Llama(gm, ids, "epikv", args.budget, "c", total),
-        "epikv llama.cpp (Python capture)": lambda: _Llama(gm, ids, "epikv", args.budget, "python", total),
+        f"{pol} llama.cpp (C capture)": lambda: _Llama(gm, ids, pol, args.budget, "c", total),
+        f"{pol} llama.cpp (Python capture)": lambda: _Llama(gm, ids, pol, args.budget, "python", total),
     }
+    if pol != "epikv":
+        configs["epikv llama.cpp (C capture)"] = lambda: _Llama(gm, ids, "epikv", args.budget, "c", total)
     if not args.no_torch:
-        configs["epikv torch engine (float32)"] = lambda: _Torch(ids, args.budget, total)
+        configs[f"{pol} torch engine (float32)"] = lambda: _Torch(ids, args.budget, total, pol)
     runs = {k: make() for k, make in configs.items()}
     spent = {k: 0.0 for k in runs}
     done = 0
@@ -152,10 +159,12 @@ def step(args):
         extra = {}
         if isinstance(r, _Llama):
             extra = dict(evictions=r.dec.evictions, cache_tokens=r.dec.stored(), kv_cells=r.dec.n_ctx,
-                         capture=r.dec.capture.method if r.dec.capture else None)
+                         capture=r.dec.capture.method if r.dec.capture else None, kv_bytes=r.dec.kv_bytes(),
+                         kv_mirror_bytes=r.dec.mirror_bytes(), max_cache_tokens=r.dec.max_tokens)
         rows.append(dict(config=k, tokens=total, seconds=round(s, 3), tokens_per_s=round(total / s, 2),
                          time_vs_plain_whole=round(s / base, 4), time_vs_plain_held=round(s / held, 4), **extra))
-    return dict(rows=rows, prompt_tokens=len(ids), budget=args.budget, threads=args.threads, round=args.round)
+    return dict(rows=rows, prompt_tokens=len(ids), budget=args.budget, policy=pol, threads=args.threads,
+                round=args.round)
 
 
 def _child(args):

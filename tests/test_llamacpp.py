@@ -336,8 +336,8 @@ def test_policy_matrix(gm, prompt_ids, name):
         with pytest.raises(EpiKVError, match=rf"policy {name} is not supported by --engine llama.cpp: it (reads|keeps)"):
             generate(gm, PROMPT, policy=name, budget=72, max_new_tokens=4, chat=True)
         return
-    res = generate(gm, PROMPT, policy=name, budget=72, tau=2 if name == "random" else None, max_new_tokens=40,
-                   chat=True, threads=1)
+    res = generate(gm, PROMPT, policy=name, budget=72, tau=2 if name == "random" else 8 if "seg" in name else None,
+                   max_new_tokens=40, chat=True, threads=1)
     st = res.stats
     assert st["new_tokens"] == [40] or res.finish_reasons == ["eos"]
     if name == "full":
@@ -359,8 +359,7 @@ def test_supported_list_is_exactly_what_check_policy_lets_through(gm):
         except EpiKVError:
             pass
     assert sorted(ok) == sorted(SUPPORTED)
-    with pytest.raises(EpiKVError, match="keys/values of arriving tokens"):
-        check_policy(get_policy("epikv", reserve=16), gm.depth)
+    check_policy(get_policy("epikv", reserve=16), gm.depth)  # values read on arrival (issue 39)
 
 
 def test_generate_matches_the_decoder_and_streams(gm):

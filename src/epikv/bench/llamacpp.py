@@ -57,7 +57,7 @@ class SpeedRun:
         from .speed import config_summary
 
         return {**config_summary(self.cfg, self.policy, self.times, self.lengths, self.dec.evictions),
-                "kv_cells": self.dec.n_ctx, "kv_bytes": self.dec.kv_bytes()}
+                "kv_cells": self.dec.n_ctx, "kv_bytes": self.dec.kv_bytes(), "kv_mirror_bytes": self.dec.mirror_bytes()}
 
 
 def long_generation(eng: LlamaCppSpeed, policy: str, budget: int, lengths: list[int], tau: int | None = None,
@@ -86,7 +86,7 @@ def long_generation(eng: LlamaCppSpeed, policy: str, budget: int, lengths: list[
                  "generated": target, "segment_tokens_per_s": (target - done) / (now - t_prev),
                  "tokens_per_s": target / (now - t_start), "cache_length": dec.stored(),
                  "kv_buffer_mib": (dec.kv_bytes() or 0) / 2**20, "kv_cache_peak_mib": dec.max_tokens * per_cell / 2**20,
-                 "kv_cells": dec.n_ctx}
+                 "kv_cells": dec.n_ctx, "kv_mirror_mib": dec.mirror_bytes() / 2**20}
             points.append(p)
             if on_point:
                 on_point(p)

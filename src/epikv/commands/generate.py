@@ -107,6 +107,9 @@ def run(args) -> int:
     }
     if layers:
         summary["layers"] = layers
+    for key in ("kv_bytes", "kv_mirror_bytes"):  # llama.cpp: its KV cache and epikv's key/value mirror (issue 39)
+        if st.get(key) is not None:
+            summary[key] = st[key]
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:

@@ -1,9 +1,10 @@
 """EPIKV inside llama.cpp: one sequence decoded through llama-cpp-python's low-level API, its KV cache kept within
 the budget by removing the policy's evicted tokens with `llama_memory_seq_rm`.
 
-- The policy is the one the torch engine runs (epikv.policies): it is fed the captured block outputs through
-  `on_tokens` and chooses with its own `keep` (the shared `select_keep` rule) over a mirror of the cache held here:
-  the true position and per-token data of every cached token, in chronological order.
+- The policy is the one the torch engine runs (epikv.policies): it is fed the captured block outputs (and, for the
+  policies that read them, the rotated queries, keys and values: capture.py) through `on_tokens` and chooses with
+  its own `keep` (the shared `select_keep` rule, or its own) over a mirror of the cache held here: the true position
+  and per-token data of every cached token, in chronological order, and the cached keys / values it reads.
 - Eviction removes runs of positions from the sequence. Every other cell keeps its position and its key, rotated
   when it was written, so kept tokens keep their true positions and new tokens continue at seen + 1. The newest
   token is never removed (llama.cpp requires the next token to follow the sequence's highest position): such a
@@ -31,25 +32,25 @@ from .capture import BlockCapture
 from .model import GGUFModel
 from .sequence import CellCounter, SequenceCache
 
-# Policies that read only hidden states or positions; the others are refused with their reason (check_policy).
-SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full")
+# Policies llama.cpp runs: those that read hidden states or positions, and those that read rotated queries, cached
+# keys/values or the keys/values of arriving tokens (captured from the graph: Qcur / Kcur / Vcur, with a key/value
+# mirror); the others are refused with their reason (check_policy).
+SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
+             "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key")
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache
+ROPE_TYPE_NORM = 0  # llama_rope_type: RoPE on adjacent channel pairs
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}  # the same, for the key/value mirror
 
 
 def check_policy(policy: Policy, n_layers: int) -> None:
-    """Refuse, in one line naming the policy and why, what llama.cpp cannot feed or evict: attention weights, query
-    states and cached keys/values are not readable through its API, and a cell holds a token of every layer and
-    head, so keep sets per head or layer cannot be expressed."""
+    """Refuse, in one line naming the policy and why, what llama.cpp cannot feed or evict: attention weights are
+    not readable (its attention kernels never expose them), and a cell holds a token of every layer and head, so
+    keep sets per head or layer cannot be expressed. Query states and keys/values are captured from the graph."""
     obs = policy.observes(n_layers)
     why = None
     if obs.attention_layers:
         why = "reads attention weights, which llama.cpp's attention kernels never expose"
-    elif obs.queries:
-        why = "reads query states, which llama.cpp's API does not expose"
-    elif obs.keys_values or obs.arriving_kv:
-        what = "the cached keys/values" if obs.keys_values else "the keys/values of arriving tokens"
-        why = f"reads {what}, which llama.cpp's public API does not expose"
     elif policy.granularity != "token":
         why = f"keeps a separate token set per {policy.granularity}; a llama.cpp cell holds a token of every layer"
     elif policy.evicts and policy.uncompressed_layers(n_layers):
@@ -86,21 +87,47 @@ def checked_policy(gm: GGUFModel, policy: str | Policy, budget: int | None, tau:
     return pol, blocks
 
 
+def attn_shape(gm: GGUFModel) -> tuple[int, int, int]:
+    """(n_head, n_head_kv, head_dim) of the model: the rows of its Qcur / Kcur / Vcur nodes."""
+    from .model import _meta
+
+    ll = lib.load().ll
+    n_head = int(ll.llama_model_n_head(gm.ptr))
+    dim = _meta(ll, gm.ptr, f"{gm.arch}.attention.key_length")
+    return n_head, gm.n_head_kv, int(dim) if dim else gm.n_embd // max(n_head, 1)
+
+
+def attn_plan(gm: GGUFModel, policy: Policy) -> dict[str, list[int]]:
+    """The layers whose rotated queries ("queries") and keys and values ("keys", "values") the capture copies for
+    this policy: exactly what it observes, nothing for a policy that reads none."""
+    obs = policy.observes(gm.depth)
+    q = sorted(obs.query_layers or range(gm.n_layers)) if obs.queries else []
+    if q:
+        check_layers(q, gm.n_layers)
+    kv = list(range(gm.n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+    return {"queries": q, "keys": kv if "k" in obs.kv_parts else [], "values": kv if "v" in obs.kv_parts else []}
+
+
 def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:
     """Whether every token must be a logits row: the last block keeps only the output rows otherwise."""
     return bool(blocks) and blocks[-1] == gm.n_layers - 1
 
 
 def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int,
-                 capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None):
+                 capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
+                 attn: dict[str, list[int]] | None = None):
     """A llama.cpp context with one unified KV stream of n_ctx cells (freed cells serve any sequence, and a
-    micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` wired into
-    its eval callback, probed (probe_context). Returns (ctx, capture or None, CellCounter or None); keep the capture
-    alive as long as the context."""
+    micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` (and of the
+    queries / keys / values of `attn`'s layers, attn_plan) wired into its eval callback, probed (probe_context).
+    Returns (ctx, capture or None, CellCounter or None); keep the capture alive as long as the context."""
     ll = lib.load().ll
     if type_kv not in KV_TYPES:
         raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
-    cap = BlockCapture(blocks, gm.n_embd, n_batch, capture) if blocks else None
+    attn = {k: v for k, v in (attn or {}).items() if v}
+    # Llama GGUFs hold q/k weights permuted for ggml's pairwise RoPE (transformers' GGUF loader undoes it)
+    interleaved = gm.arch == "llama" and int(ll.llama_model_rope_type(gm.ptr)) == ROPE_TYPE_NORM
+    cap = (BlockCapture(blocks, gm.n_embd, n_batch, capture, heads=attn_shape(gm) if attn else (0, 0, 0),
+                        interleaved=interleaved, **attn) if blocks or attn else None)
     cp = ll.llama_context_default_params()
     cp.n_ctx = n_ctx
     cp.n_batch = cp.n_ubatch = n_batch  # one micro-batch a decode: rows in batch order
@@ -145,8 +172,10 @@ def probe_context(gm: GGUFModel, ctx, cap: BlockCapture | None) -> CellCounter |
             rc = ll.llama_decode(ctx, b)
             if rc != 0:
                 raise EpiKVError(f"llama.cpp's probe decode on {gm.name} failed with status {rc}")
-            if cap is not None:
+            if cap is not None:  # every node the policy reads is in this model's graph, of the expected shape
                 cap.rows(1)
+                if cap.attn_nodes:
+                    cap.attn_rows(1)
             sizes.append(int(ll.llama_state_seq_get_size(ctx, 0)))
     finally:
         ll.llama_batch_free(b)
@@ -176,16 +205,18 @@ class LlamaDecoder(SequenceCache):
         self.ctx = None
         self._ll = lib.load().ll
         self.threads = threads or default_threads()
-        self.ctx, self.capture, cells = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=n_seq_max,
-                                              threads=self.threads, capture=capture, type_kv=type_kv,
-                                              flash_attn=flash_attn)
+        self.ctx, self.capture, cells = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch,
+                                                     n_seq_max=n_seq_max, threads=self.threads, capture=capture,
+                                                     type_kv=type_kv,
+                                              flash_attn=flash_attn, attn=attn_plan(gm, pol))
         ll = lib.load().ll
         self.all_outputs = all_outputs(gm, blocks)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.n_vocab = gm.tokenizer.n_vocab
         self.type_kv = type_kv
-        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, cells)
+        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, cells, KV_DTYPES[type_kv])
+        self.mirror_cells = self.n_ctx  # the mirror holds as many cells as the context (its keys and values again)
 
     # -- feeding ------------------------------------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
@@ -232,7 +263,10 @@ class LlamaDecoder(SequenceCache):
         else:
             out = ll.llama_get_logits_ith(self.ctx, t - 1)
             logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
-        self.record(t, self.capture.rows(t) if self.capture is not None else None)
+        cap = self.capture
+        if cap is not None and cap.attn_nodes:
+            self.attend(t, cap.attn_rows(t))
+        self.record(t, cap.rows(t) if cap is not None and cap.blocks else None)
         return logits
 
     # -- lifetime -----------------------------------------------------------------------------------------------------
@@ -309,6 +343,6 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
                           on_step=on_step)
         return run.result([len(ids)], [seed], engine="llama.cpp", threads=dec.threads,
                           capture=dec.capture.method if dec.capture else None, kv_cells=dec.n_ctx,
-                          kv_bytes=dec.kv_bytes())
+                          kv_bytes=dec.kv_bytes(), kv_mirror_bytes=dec.mirror_bytes())
     finally:
         dec.close()

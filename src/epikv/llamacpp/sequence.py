@@ -5,6 +5,15 @@ position and per-token policy data, chronological), the policy fed the captured 
 with `llama_memory_seq_rm`, checked against llama.cpp's bounds and cell count.
 
 The caller owns the context and the decode; after each decode it hands this sequence its rows (`record`).
+
+For the policies that read cached keys and values (Observes.keys_values: epikv-seg, epikv-seg-q, lag-kv, lag-kv-key)
+the mirror also holds every cached token's key and / or value (Observes.kv_parts: what the policy reads) per layer and
+KV head, as llama.cpp stores them (its type_k / type_v: F16 by default, F32 with type_kv="f32"; the captured float32
+rows cast the same way), compacted with the positions at every eviction: the policy's view.keys / view.values are
+[1, kv_heads, n, head_dim] views of it, in the torch engine's layout ([] for a part it does not read). Policies that
+read the keys/values of arriving tokens only (kv-key, kv-val, the value reserve) get those rows in on_tokens and no
+mirror. Policies that read queries (Observes.queries) get the last w
+rotated queries of their layers, [1, heads, w, head_dim], the newest last, as the torch engine keeps them.
 """
 
 from __future__ import annotations
@@ -51,7 +60,8 @@ class SequenceCache:
     budget None for a policy that does not evict)."""
 
     def _init_sequence(self, ll, mem, seq: int, gm: GGUFModel, policy: Policy, budget: int | None,
-                       blocks: list[int], cells: CellCounter | None = None) -> None:
+                       blocks: list[int], cells: CellCounter | None = None,
+                       kv_dtype: torch.dtype = torch.float16) -> None:
         self._ll, self.mem, self.seq, self.gm = ll, mem, seq, gm
         self.cells = cells  # the exact cell count the mirror is checked against (None: bounds only)
         self.policy = policy
@@ -75,6 +85,21 @@ class SequenceCache:
         # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
         # any other policy is fed every step, as the torch engine does
         self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
+        obs = policy.observes(gm.depth)
+        n_layers = gm.n_layers
+        self._needs_kv = bool(obs.keys_values)
+        self._arriving_kv = bool(obs.arriving_kv) and not obs.keys_values
+        self.kv_layers = list(range(n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+        self.kv_parts = "".join(k for k in "kv" if k in obs.kv_parts) if self.kv_layers else ""  # what is read
+        self._n_queries = int(obs.queries)
+        self.query_layers = sorted(obs.query_layers or range(n_layers)) if obs.queries else []
+        self.kv_dtype = kv_dtype
+        # [parts, layers, kv_heads, capacity, head_dim]: the keys and / or values the policy reads (the mirror)
+        self._kv: torch.Tensor | None = None
+        self.mirror_cells: int | None = None  # the most cells this sequence can hold (set by the caller): the capacity
+        self._arriving: list[dict[str, dict[int, np.ndarray]]] = []  # captured K/V rows of the unscored tokens
+        self._queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, <= w, head_dim]
+        self._attended = 0  # tokens whose queries / keys / values `attend` took for the next `record`
 
     def start(self, n_prompt: int) -> None:
         """A prompt of n_prompt tokens is about to be fed: protect its head, refuse what cannot fit the budget."""
@@ -88,9 +113,21 @@ class SequenceCache:
         self.n_prompt = n_prompt
         (self.n_protect,) = self.ps.begin([n_prompt], None, self.gm.depth)
 
+    def attend(self, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
+        """Before `record` of the same t tokens, for the policies that read queries, keys or values: attn = "q" /
+        "k" / "v" -> layer -> [t, heads, head_dim] of their captured rows (capture.attn_rows; copied here)."""
+        if self.kv_layers or self.query_layers:
+            self._take_attn(self.stored(), t, attn)
+            self._attended = t
+
     def record(self, t: int, rows: dict[int, np.ndarray] | None) -> None:
         """The sequence's next t tokens (positions seen .. seen + t - 1) were decoded; rows: block -> [t, dim] of
-        their captured outputs (copied here). Scores when due and evicts when the policy says so."""
+        their captured outputs (copied here); their queries, keys and values were handed to `attend` first. Scores
+        when due and evicts when the policy says so."""
+        if (self.kv_layers or self.query_layers) and self._attended != t:
+            raise EpiKVError(f"policy {self.policy.name} reads queries, keys or values but those of the {t} new "
+                             "tokens were not captured")
+        self._attended = 0
         p0 = self.seen
         pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
         self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
@@ -113,6 +150,52 @@ class SequenceCache:
         """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
         self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
         self.token_data, self._rows, self._unscored = {}, [], 0
+        self._kv, self._arriving, self._queries = None, [], {}
+
+    # -- keys, values and queries -------------------------------------------------------------------------------------
+    def _take_attn(self, n_old: int, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
+        """Append the t new tokens' keys and values to the mirror (cast as llama.cpp stores them), or keep them
+        for on_tokens (arriving only); roll the query window."""
+        if self._needs_kv:
+            kv = self._kv
+            parts = self.kv_parts
+            if kv is None or kv.shape[3] < n_old + t:
+                _, heads, dim = attn[parts[0]][self.kv_layers[0]].shape
+                cap = max(n_old + t, 2 * kv.shape[3] if kv is not None else self.mirror_cells or 0)
+                grown = torch.zeros(len(parts), len(self.kv_layers), heads, cap, dim, dtype=self.kv_dtype)
+                if kv is not None:
+                    grown[:, :, :, :n_old] = kv[:, :, :, :n_old]
+                self._kv = kv = grown
+            new = np.stack([np.stack([attn[kind][l] for l in self.kv_layers]) for kind in parts])  # [P, L, t, H, d]
+            kv[:, :, :, n_old : n_old + t] = torch.from_numpy(new).transpose(2, 3)  # cast to the cache's type
+        elif self._arriving_kv:
+            self._arriving.append({kind: {l: attn[kind][l].astype(np.float32, copy=True) for l in self.kv_layers}
+                                   for kind in self.kv_parts})
+        w = self._n_queries
+        for l in self.query_layers:
+            q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]
+            old = self._queries.get(l)
+            self._queries[l] = q if old is None else torch.cat([old, q], dim=2)[:, :, -w:]
+
+    def cached_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The mirror's keys and values per layer, [1, kv_heads, n, head_dim] views in chronological order (the
+        torch engine's layout), as llama.cpp stores them; [] for what the policy does not read (Observes.kv_parts)."""
+        if not self._needs_kv or self._kv is None:
+            return [], []
+        n = self.stored()
+        return tuple([self._kv[self.kv_parts.index(kind), j, None, :, :n] for j in range(len(self.kv_layers))]
+                     if kind in self.kv_parts else [] for kind in "kv")
+
+    def mirror_bytes(self) -> int:
+        """Bytes this sequence's key/value mirror holds (0 for a policy that reads no cached keys/values)."""
+        return 0 if self._kv is None else self._kv.numel() * self._kv.element_size()
+
+    def _query_view(self) -> tuple[list, torch.Tensor | None]:
+        if not self._n_queries:
+            return [], None
+        qs = [self._queries.get(l) for l in range(self.gm.n_layers)]
+        w = min(self._n_queries, self.seen)
+        return qs, torch.ones(1, w, dtype=torch.bool)
 
     # -- the mirror ---------------------------------------------------------------------------------------------------
     @property
@@ -163,10 +246,16 @@ class SequenceCache:
             hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
                       for blk in self.blocks}  # [1, u, dim]
         stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
+        keys, values = self.cached_kv()
+        if self._arriving:  # the u new tokens' keys / values, [1, kv_heads, u, head_dim] as the cache stores them
+            keys, values = ([torch.from_numpy(np.concatenate([a[kind][l] for a in self._arriving]))
+                             .transpose(0, 1)[None].to(self.kv_dtype) for l in self.kv_layers]
+                            if kind in self.kv_parts else [] for kind in "kv")
         # the positions are in the mirror already (record): the policy's own data is appended
         self.ps.observe(hidden=hidden, valid=torch.ones(1, u, dtype=torch.bool), positions=pos, n_old=n - u,
-                        kv_heads=self.gm.n_head_kv, stored=stored, record_positions=False)
-        self._rows, self._unscored = [], 0
+                        kv_heads=self.gm.n_head_kv, keys=keys, values=values, stored=stored,
+                        record_positions=False)
+        self._rows, self._unscored, self._arriving = [], 0, []
 
     # -- eviction -----------------------------------------------------------------------------------------------------
     def view(self) -> CacheView:
@@ -176,7 +265,10 @@ class SequenceCache:
         if u:
             data = {k: (v if k == "pos" else torch.cat([v, v.new_zeros(*v.shape[:-1], u)], -1))
                     for k, v in data.items()}
-        return self.ps.view(self.stored(), token_data=data)
+        keys, values = self.cached_kv()
+        queries, query_valid = self._query_view()
+        return self.ps.view(self.stored(), token_data=data, keys=keys, values=values, queries=queries,
+                            query_valid=query_valid)
 
     def evict(self) -> torch.Tensor:
         """Cut the sequence back to the policy's keep set; returns the kept indices into the mirror [m]."""
@@ -220,4 +312,8 @@ class SequenceCache:
                 raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
         # the unscored tail is all kept (checked above): the policy's data lacks it
         self.ps.select(keep[None], keep.numel(), unscored=u)
+        if self._kv is not None:  # the key/value mirror follows the same keep set (moved from the first gap on)
+            first = idx[0] if idx else keep.numel()
+            m = keep.numel()
+            self._kv[:, :, :, first:m] = self._kv.index_select(3, keep[first:])
         self._check_mirror()

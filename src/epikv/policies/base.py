@@ -28,6 +28,9 @@ class Observes:
     arriving_kv: bool = False
     queries: int = 0  # the last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)
     query_layers: tuple[int, ...] = ()  # the layers whose queries are recomputed; () = every layer
+    # with keys_values / arriving_kv: which of the keys ("k") and values ("v") the policy reads. The torch engine holds
+    # both anyway; the llama.cpp engine captures (and mirrors) only these
+    kv_parts: str = "kv"
 
     def describe(self) -> str:
         parts = []

@@ -157,7 +157,8 @@ class EpiKVSeg(EpiKVFlat):
         check_stat(self.name, "swap_stat", self.swap_stat)
 
     def observes(self, n_layers):
-        return Observes(hidden_layers=super().observes(n_layers).hidden_layers, keys_values=True)
+        return Observes(hidden_layers=super().observes(n_layers).hidden_layers, keys_values=True,
+                        kv_parts="kv" if self.swap else "k")  # values for the swap only
 
     def should_evict(self, length, budget, steps, decode_slots):
         if length > budget + self.tau - 1:  # every rule: never more than K + tau - 1 between two steps

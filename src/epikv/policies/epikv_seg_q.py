@@ -83,8 +83,8 @@ class EpiKVSegQ(EpiKVSeg):
 
     def observes(self, n_layers):
         hidden = super().observes(n_layers).hidden_layers if self.mode == "add" else ()
-        return Observes(hidden_layers=hidden, keys_values=True, queries=self.queries,
-                        query_layers=(self.query_layer(n_layers),))
+        return Observes(hidden_layers=hidden, keys_values=True, kv_parts="kv" if self.swap else "k",
+                        queries=self.queries, query_layers=(self.query_layer(n_layers),))
 
     def on_tokens(self, state, obs):
         return super().on_tokens(state, obs) if self.mode == "add" else {}

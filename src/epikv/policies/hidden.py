@@ -51,7 +51,7 @@ class HiddenStatePolicy(Policy):
 
     def observes(self, n_layers: int) -> Observes:
         return Observes(hidden_layers=tuple(sorted({l for ch in self.channels(n_layers) for l in ch})),
-                        arriving_kv=self.reserve > 0)
+                        arriving_kv=self.reserve > 0, kv_parts="v" if self.reserve else "kv")  # reserve: values
 
     def init_state(self, batch: int, n_layers: int, device: torch.device) -> Any:
         chans = self.channels(n_layers)

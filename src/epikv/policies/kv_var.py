@@ -66,7 +66,8 @@ class KVKeyVariance(Policy):
         check_window_over(self.name, self.window_over)
 
     def observes(self, n_layers):
-        return Observes(arriving_kv=True)  # the new tokens' keys / values only: the cache may refill its holes
+        # the new tokens' keys (or values) only: the cache may refill its holes
+        return Observes(arriving_kv=True, kv_parts="k" if self.source == "keys" else "v")
 
     def init_state(self, batch, n_layers, device):
         return {"stats": RollingStats(self.window)}

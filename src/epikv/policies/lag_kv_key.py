@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from ..signals import lag_normalised_spread
-from .base import CacheView
+from .base import CacheView, Observes
 from .lag_kv import LagKVVariant
 
 
@@ -20,6 +20,9 @@ class LagKVKey(LagKVVariant):
     """
 
     name = "lag-kv-key"
+
+    def observes(self, n_layers):
+        return Observes(keys_values=True, kv_parts="k")
 
     def scores(self, state, view: CacheView) -> torch.Tensor:
         dev = view.device

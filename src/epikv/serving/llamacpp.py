@@ -32,7 +32,7 @@ import torch
 
 from ..errors import EpiKVError
 from ..llamacpp import lib
-from ..llamacpp.engine import all_outputs, checked_policy, default_threads, make_context
+from ..llamacpp.engine import KV_DTYPES, all_outputs, attn_plan, checked_policy, default_threads, make_context
 from ..llamacpp.model import GGUFModel
 from ..llamacpp.sequence import SequenceCache
 from .backend import Backend, Output, mean_p50
@@ -42,8 +42,8 @@ log = logging.getLogger("epikv.serve")
 
 
 class _Seq(SequenceCache):
-    def __init__(self, ll, mem, seq, gm, policy, budget, blocks, cells) -> None:
-        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks, cells)
+    def __init__(self, ll, mem, seq, gm, policy, budget, blocks, cells, kv_dtype=torch.float16) -> None:
+        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks, cells, kv_dtype)
 
 
 @dataclass
@@ -98,9 +98,10 @@ class LlamaBackend(Backend):
         self._ll = ll = lib.load().ll
         # the context is probed before the server takes a request: a model whose graph cannot be captured is
         # refused here (EpiKVError: `epikv serve` says so in one line and exits 2)
-        self.ctx, self.capture, self.cell_counter = make_context(gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens,
-                                              n_seq_max=sequences + spare_sequences, threads=self.threads, capture=capture,
-                                              type_kv=type_kv, flash_attn=flash_attn)
+        self.ctx, self.capture, self.cell_counter = make_context(
+            gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens, n_seq_max=sequences + spare_sequences,
+            threads=self.threads, capture=capture, type_kv=type_kv, flash_attn=flash_attn,
+            attn=attn_plan(gm, self.policy))
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(max_batch_tokens, 0, 1)
@@ -204,6 +205,7 @@ class LlamaBackend(Backend):
                  cells_held_when_idle=self.llama_cells_idle,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
+                 kv_mirror_bytes=sum(r.seq.mirror_bytes() for r in list(self._running) if r.seq is not None),
                  running=len(self._running), waiting=len(self._waiting))
         return c
 
@@ -299,7 +301,10 @@ class LlamaBackend(Backend):
                 return
             self._waiting.popleft()
             seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks,
-                       self.cell_counter)
+                       self.cell_counter, KV_DTYPES[self.type_kv])
+            # a sequence holds at most budget + tau - 1 cells and a step's rows
+            seq.mirror_cells = min(self.cells, self.budget + self.policy.tau + self.max_batch if self.budget
+                                   else self.cells)
             with self._lock:
                 r.seq = seq
             r.fed = 0
@@ -401,8 +406,11 @@ class LlamaBackend(Backend):
         if self._waiting and self._free_ids:  # admission stopped at the cells (or a preemption's hold), not the ids
             self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
         self.counters["batch_rows"] += j
+        cap = self.capture
         try:
-            rows = self.capture.rows(j) if self.capture is not None else None  # block -> [j, dim], batch order
+            rows = cap.rows(j) if cap is not None and cap.blocks else None  # block -> [j, dim], batch order
+            # q/k/v -> layer -> [j, heads, dim]
+            attn = cap.attn_rows(j) if cap is not None and cap.attn_nodes else None
         except Exception as e:  # this decode's rows are unusable: fail its requests (their cells go), serve on
             log.exception("the capture of a decode of %d rows failed", j)
             for r, _ in plan:
@@ -414,6 +422,8 @@ class LlamaBackend(Backend):
             off, end = end, end + t  # this request's rows: off .. end - 1
             logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, end - 1), shape=(self.n_vocab,))
             try:  # an error here is this request's alone: it fails, its cells go, the others go on
+                if attn is not None:
+                    r.seq.attend(t, {k: {l: x[off:end] for l, x in d.items()} for k, d in attn.items()})
                 r.seq.record(t, {blk: x[off:end] for blk, x in rows.items()} if rows is not None else None)
                 r.fed += t
                 if r.fed == r.known:  # its newest logits are the next token's: sample it
