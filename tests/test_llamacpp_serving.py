@@ -1,4 +1,6 @@
-"""`epikv serve --engine llama.cpp` (epikv.llamacpp.serving.LlamaBackend) on the embedded GGUF: sequences batched
+"""`epikv serve --engine llama.cpp` (epikv.llamacpp.serving.LlamaBackend) on the embedded GGUF, with the unified
+cache (kv="unified": the default for `full`; a stream per sequence, the default for evicting policies, is tested in
+tests/test_llamacpp_streams.py; the command's tests here run its defaults): sequences batched
 in one llama.cpp context agree with the single-sequence engine, a sequence's cache after eviction holds exactly its
 kept positions while others run in the same batches, cells return when sequences evict and end, more sequences run
 than `full` allows in the same cells, and the command answers the `openai` client and refuses in one line.
@@ -73,7 +75,7 @@ def _run(be, prompts, max_tokens=N, sampling=None):
 def _backend(gm, request, **kw):
     from epikv.llamacpp.serving import LlamaBackend
 
-    args = {**KW, "flash_attn": False, "threads": 1, **kw}
+    args = {**KW, "flash_attn": False, "threads": 1, "kv": "unified", **kw}
     be = LlamaBackend(gm, **args)
     request.addfinalizer(be.stop)
     return be
@@ -263,7 +265,8 @@ def _cli(*argv, env=None):
     (["--policy", "h2o"], "policy h2o is not supported by --engine llama.cpp"),
     (["--num-blocks", "8"], "--num-blocks: options of the torch engine's paged cache"),
     (["--dtype", "bfloat16"], "--dtype: torch engine options"),
-    (["--budget", "256", "--ctx", "200"], "cannot hold one sequence at its budget"),
+    (["--budget", "256", "--ctx", "200", "--kv", "unified"], "cannot hold one sequence at its budget"),
+    (["--budget", "256", "--ctx", "400"], "--ctx 400 gives each of the 2 streams 200 cells"),
 ])
 def test_cli_refusals_exit_2_in_one_line(argv, needle):
     base = ["serve", "--engine", "llama.cpp", "--ctx", "512", "--sequences", "2", "--budget", "64", "--port", "0"]

@@ -241,6 +241,7 @@ class LlamaBackend(Backend):
             mean_p50(self.cache_full_hist)
         c.update(engine="llama.cpp", kv="streams" if self.streams else "unified", stream_cells=self.stream_cells,
                  cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
+                 kv_bytes=self.n_ctx * self.gm.kv_bytes_per_cell(self.type_kv) or None,
                  cells_held_when_idle=self.llama_cells_idle,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
