@@ -115,7 +115,8 @@ class LlamaBackend(Backend):
                              "sequence's next token goes into one batch")
         per = ctx // sequences if self.streams else ctx
         if ev and per < budget + self.policy.tau:
-            what = f"gives each of the {sequences} streams {per} cells" if self.streams else "cannot hold one sequence"
+            what = f"gives each of the {sequences} streams {per} cells" if self.streams else \
+                "cannot hold one sequence at its budget"
             raise EpiKVError(f"--ctx {ctx} {what}: {self.policy.name} grows to budget + tau = "
                              f"{budget + self.policy.tau} cells before it evicts"
                              + (" (leave --ctx out to derive it)" if self.streams else ""))
