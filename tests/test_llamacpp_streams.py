@@ -84,7 +84,8 @@ def test_streams_are_the_default_for_evicting_policies_and_ctx_is_derived(gm, re
 def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, request, monkeypatch):
     """Six sequences, prompts chunked and evicting inside the prompt, slots freed out of order: every llama_decode
     is a prompt chunk of one sequence or one token each of consecutive increasing ids; each sequence's captured rows
-    are bit-equal to those the single-sequence engine captures fed the same tokens in the same chunks."""
+    are bit-equal to those the single-sequence engine captures fed the same tokens in the same chunks; the cells
+    llama.cpp counts in every stream (CellCounter, calibrated on sequence 0) are the mirrors' after every step."""
     from epikv.llamacpp import LlamaDecoder
     from epikv.llamacpp.serving import LlamaBackend
     from epikv.llamacpp.sequence import SequenceCache
@@ -109,8 +110,14 @@ def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, requ
     prompts = _prompts(gm, 6, head)
     kw = dict(policy="epikv", budget=40, tau=4, recent=8, protect_prompt=False)
     be = _backend(gm, request, sequences=4, max_batch_tokens=16, **kw)
-    seq_of = {}
-    be.on_step = lambda b: seq_of.update({r.rid: id(r.seq) for r in b._running})
+    seq_of, counts = {}, []
+
+    def on_step(b):
+        seq_of.update({r.rid: id(r.seq) for r in b._running})
+        # the cells gauge (the mirrors) against llama.cpp's own count of each stream, calibrated on stream 0
+        counts.append((b.gauges()["cells_in_use"], b.llama_cells()))
+
+    be.on_step = on_step
     ends = []  # the max_tokens differ, so slots free out of order and later requests take the freed ids
     for k, ids in enumerate(prompts):
         be.submit(str(k), ids, 12 + 7 * k, sampling=None, seed=k, ignore_eos=True)
@@ -122,6 +129,7 @@ def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, requ
             done[o.request_id] = o.tokens
             ends.append(o.request_id)
     assert be.stats()["evictions"] >= 6 and be.stats()["max_running"] == 4
+    assert all(g == n for g, n in counts) and max(n for _, n in counts) > be.stream_cells // 4
     assert any(len(c) > 1 for c in calls) and any(c[0][1] > 1 for c in calls)
     for c in calls:
         if len(c) > 1 or c[0][1] == 1:  # decodes: one token each, ids consecutive and increasing
