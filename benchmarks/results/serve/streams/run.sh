@@ -18,3 +18,6 @@ common=(--model smollm2 --engine llama.cpp --ctx 4096 --sequences 8 --max-batch-
 # the same pair again in the other order (the CPU is shared: a load change between rows shows as a different ratio)
 "$PY" -m epikv.cli bench serve "${common[@]}" --kv unified --out $R/repeat/unified
 "$PY" -m epikv.cli bench serve "${common[@]}" --kv streams --out $R/repeat/streams
+# the decode step at the engines load's shape (in process, layouts alternated): README.md
+# PYTHONPATH=src python benchmarks/llamacpp_streams_step.py --sequences 24 --prompt 380 --new 80 --budget 512 \
+#     --threads 2 --reps 2 --out benchmarks/results/serve/streams/step.jsonl
