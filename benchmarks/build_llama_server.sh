@@ -9,6 +9,9 @@
 # SDIST_DIR_OR_TARBALL: an unpacked llama_cpp_python-0.3.36 folder or its .tar.gz (default: fetched once with
 # `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36` into $EPIKV_CACHE_DIR/llama-server/).
 # BUILD_DIR: default $EPIKV_CACHE_DIR/llama-server/build. Prints the binary's path last.
+# Tried (issue 40): these CMake options configure offline and build llama-server in about 8 minutes on 2 shared
+# cores; `llama-server --version` then reports the vendored commit. No side-by-side run yet: bench serve counts the
+# token_ids epikv streams, which llama-server does not send.
 set -euo pipefail
 VERSION=0.3.36
 CACHE=${EPIKV_CACHE_DIR:-$HOME/.cache/epikv}/llama-server
