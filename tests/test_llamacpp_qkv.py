@@ -428,8 +428,10 @@ def test_server_runs_seg_q_per_sequence(gm, prompt_ids, request, monkeypatch):
 
     monkeypatch.setattr(serving, "_Seq", Recorded)
     K = 80
+    # the unified cache: the state reader below parses one stream (a stream per sequence is the command's default,
+    # where tests/test_llamacpp_streams.py checks the rows each sequence gets)
     be = serving.LlamaBackend(gm, "epikv-seg-q", K, tau=8, ctx=512, sequences=3, max_batch_tokens=128,
-                              flash_attn=False, threads=1)
+                              flash_attn=False, threads=1, kv="unified")
     request.addfinalizer(be.stop)
     prompts = [encode_prompts(gm.tokenizer, [f"Question {i}: what is {i} plus {2 * i + 1}? Think."], chat=True)[0]
                for i in range(3)]

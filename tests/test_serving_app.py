@@ -250,3 +250,33 @@ def test_bench_drive_samples_each_request_with_its_seed(request, tok):
     assert {(s.temperature, s.top_p, s.draw) for _, s, _ in backend.submitted} == {(0.6, 0.95, "gumbel")}
     asyncio.run(drive(app.url, "scripted", [MSGS], 1, 5, 30, ignore_eos=False))
     assert backend.submitted[-1][1] is None  # greedy
+
+
+def test_chat_content_as_a_list_of_text_parts(request, tok):
+    """OpenAI's content parts: text parts are joined in order (newline, as vLLM joins them) into the same prompt a
+    string gives, on any engine (the app builds the prompt); any other part type is refused by name with a 400."""
+    class Recording(Scripted):
+        def submit(self, rid, input_ids, max_tokens, **kw):
+            self.ids = list(input_ids)
+            super().submit(rid, input_ids, max_tokens, **kw)
+
+    be = Recording(tok, eos=tok.eos_token_id)
+    app = _app(request, tok, backend=be)
+    sys_msg = {"role": "system", "content": "Be brief."}
+    app.client.chat.completions.create(model="scripted", messages=[sys_msg, {
+        "role": "user", "content": "What is 2 + 2?\nAnswer in words."}])
+    want = be.ids
+    parts = [{"type": "text", "text": "What is 2 + 2?"}, {"type": "text", "text": "Answer in words."}]
+    r = app.client.chat.completions.create(model="scripted", messages=[sys_msg, {"role": "user", "content": parts}])
+    assert be.ids == want and r.choices[0].message.content
+    app.client.chat.completions.create(model="scripted", messages=[sys_msg, {"role": "user", "content": parts[::-1]}])
+    assert be.ids != want  # in order
+    for bad, needle in [([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                         "messages[1].content[0]: part type 'image_url' is not supported"),
+                        ([parts[0], {"type": "input_audio", "input_audio": {}}], "part type 'input_audio'"),
+                        ([{"type": "text", "text": 3}], "messages[1].content[0] must be {type: text"),
+                        ([], "messages[1].content is an empty list of parts")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            app.client.chat.completions.create(model="scripted", messages=[sys_msg, {"role": "user", "content": bad}])
+        assert e.value.status_code == 400 and needle in e.value.message and "\n" not in e.value.message, \
+            e.value.message

@@ -423,3 +423,28 @@ def test_serve_equal_batch_script(tmp_path):
     lines = [x for x in bad.stderr.splitlines() if x.strip() and "Skipping" not in x]
     assert bad.returncode == 2 and len(lines) == 1 and "budget 48 is under 4 pages" in lines[0], bad.stderr
     assert "equal batch" not in bad.stdout and len(out.read_text().splitlines()) == len(recs)
+
+
+def test_bench_percentiles_count_cut_requests_with_their_time_so_far():
+    """A request cut by the timeout counts in the latency / TTFT percentiles with its time so far and makes the
+    percentile it reaches a lower bound ('>=' in the table); rows are also compared over the same window."""
+    from epikv.bench.serve import Row, censored_percentile, summarize, table
+
+    fin = [{"latency_s": float(x), "ttft_s": 0.5, "tokens": 8, "finish": "length"} for x in (1, 2, 3)]
+    cut = [{"unfinished": True, "censored": True, "tokens": 2, "latency_s": 9.0, "ttft_s": 4.0,
+            "ttft_censored": False},
+           {"unfinished": True, "censored": True, "tokens": 0, "latency_s": 9.0, "ttft_s": 9.0, "ttft_censored": True}]
+    stats = {"engine": {"max_in_flight": 2, "steps": 10, "kv_bytes": 2**20}}
+    s = summarize(Row("full", None), {"records": fin + cut, "wall_s": 9.0, "timed_out": 2,
+                                      "tokens_by_second": [4, 4, 8, 8, 2]}, stats, 5, 5, 8)
+    # over all five (1, 2, 3, 9, 9), not the three that finished (whose median would be 2)
+    assert s["latency_p50_s"] == 3.0 and s["latency_p95_s"] == 9.0 and s["censored"] == 2
+    assert s["lower_bound"] == {"latency_p50": False, "latency_p95": True, "ttft_p50": False, "ttft_p95": True}
+    assert censored_percentile([(1.0, False), (5.0, True)], 0.5) == (3.0, True)
+    assert censored_percentile([(1.0, False), (2.0, False), (5.0, True)], 0.5) == (2.0, False)
+    other = dict(s, label="epikv K=64", policy="epikv", wall_s=3.5, tokens_by_second=[6, 6, 6, 6], lower_bound={})
+    text = table([s, other], [])
+    assert "tokens/s, first 3 s |" in text
+    assert "| >= 9.0 |" not in text and "3.0 / >= 9.0 |" in text
+    assert "| 5.33 |" in text and "| 6.0 |" in text  # (4 + 4 + 8) / 3 and 18 / 3 over the same 3 s
+    assert "KV MiB" in text and "| 1.0 |" in text and "equal for every row" in text

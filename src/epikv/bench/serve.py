@@ -120,6 +120,7 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore
     ids: list[int] = []
     finish = None
     seen["tokens"] = 0
+    seen["t0"] = t0  # sent: a request cut by the timeout counts its time from here (censored)
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                   stream=True, **(sampling or {"temperature": 0}),
                                                   extra_body={"ignore_eos": True} if ignore_eos else None)
@@ -130,8 +131,12 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore
         new = (c.model_extra or {}).get("token_ids") or []
         if new and first is None:
             first = time.perf_counter() - t0
+            seen["ttft_s"] = first
         ids.extend(new)
         seen["tokens"] = len(ids)
+        if new:  # tokens received by each whole second of the row (tokens/s of rows over a common window)
+            sec = int(time.perf_counter() - seen["row_t0"])
+            seen["by_second"][sec] = seen["by_second"].get(sec, 0) + len(new)
         finish = c.finish_reason or finish
     return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": len(ids), "finish": finish}
 
@@ -145,7 +150,9 @@ async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrenc
     client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="epikv", max_retries=0, timeout=timeout)
     sem = asyncio.Semaphore(concurrency)
     records: list[dict | None] = [None] * len(prompts)
-    seen = [{"tokens": 0} for _ in prompts]
+    t_row = time.perf_counter()
+    by_second: dict[int, int] = {}
+    seen = [{"tokens": 0, "row_t0": t_row, "by_second": by_second} for _ in prompts]
 
     async def worker(i: int, msgs: list[dict]):
         async with sem:
@@ -165,19 +172,52 @@ async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrenc
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    wall = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    wall = t_end - t0
     for i, r in enumerate(records):
-        if r is None:  # cut by the timeout (or never started): what it streamed
-            records[i] = {"unfinished": True, "tokens": seen[i]["tokens"]}
+        if r is None:  # cut by the timeout (or never started): what it streamed, and its time so far (censored:
+            # from when it was sent, or from the row's start when it never was)
+            s = seen[i]
+            records[i] = {"unfinished": True, "tokens": s["tokens"], "censored": True,
+                          "latency_s": t_end - s.get("t0", t0), "ttft_s": s.get("ttft_s", t_end - s.get("t0", t0)),
+                          "ttft_censored": "ttft_s" not in s}
     await client.close()
-    return {"records": records, "wall_s": wall, "timed_out": len(pending)}
+    n = max(by_second, default=-1) + 1
+    return {"records": records, "wall_s": wall, "timed_out": len(pending),
+            "tokens_by_second": [by_second.get(k, 0) for k in range(n)]}
+
+
+def censored_percentile(values: list[tuple[float, bool]], q: float) -> tuple[float | None, bool]:
+    """The q-th percentile of (value, censored) pairs, where a censored value is a lower bound (a request cut
+    while it ran: its time so far); and whether the result is itself only a lower bound (some censored value lies
+    at or below it, so the true percentile may be higher)."""
+    p = percentile([v for v, _ in values], q)
+    if p is None:
+        return None, False
+    s = sorted(v for v, _ in values)
+    pos = q * (len(s) - 1)
+    top = s[min(int(pos) + (pos > int(pos)), len(s) - 1)]  # the larger of the values it interpolates
+    return p, any(c and v <= top for v, c in values)
+
+
+def tokens_in_window(res: dict, seconds: float) -> int | None:
+    """Tokens the row received within its first `seconds` (whole seconds), from its per-second counts."""
+    by = res.get("tokens_by_second")
+    if by is None:
+        return None
+    return sum(by[: int(seconds)])
 
 
 def summarize(row: Row, res: dict, stats: dict, requests: int, concurrency: int, max_tokens: int) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r and "error" not in r and not r.get("unfinished") and r["tokens"] > 0]
-    lat = [r["latency_s"] for r in ok]
-    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    # percentiles over every request that did not fail: an unfinished one counts with its time so far (censored)
+    timed = [r for r in recs if r and "error" not in r and (r.get("unfinished") or r["tokens"] > 0)
+             and r.get("latency_s") is not None]
+    lat_c = [(r["latency_s"], bool(r.get("censored"))) for r in timed]
+    ttft_c = [(r["ttft_s"], bool(r.get("ttft_censored"))) for r in timed if r.get("ttft_s") is not None]
+    (l50, l50c), (l95, l95c) = censored_percentile(lat_c, 0.5), censored_percentile(lat_c, 0.95)
+    (t50, t50c), (t95, t95c) = censored_percentile(ttft_c, 0.5), censored_percentile(ttft_c, 0.95)
     tokens = sum(r["tokens"] for r in recs if r and "error" not in r)
     eng = stats.get("engine", {})
     rnd = lambda x, n=3: None if x is None else round(x, n)  # noqa: E731
@@ -191,8 +231,13 @@ def summarize(row: Row, res: dict, stats: dict, requests: int, concurrency: int,
         "errors": sorted({r["error"] for r in recs if r and "error" in r})[:3],
         "wall_s": rnd(res["wall_s"], 1), "generated_tokens": tokens,
         "tokens_per_s": rnd(tokens / res["wall_s"] if res["wall_s"] else None, 2),
-        "latency_p50_s": rnd(percentile(lat, 0.5), 1), "latency_p95_s": rnd(percentile(lat, 0.95), 1),
-        "ttft_p50_s": rnd(percentile(ttft, 0.5), 2), "ttft_p95_s": rnd(percentile(ttft, 0.95), 2),
+        "latency_p50_s": rnd(l50, 1), "latency_p95_s": rnd(l95, 1),
+        "ttft_p50_s": rnd(t50, 2), "ttft_p95_s": rnd(t95, 2),
+        # True: that percentile is a lower bound (a request cut by the timeout lies at or below it)
+        "censored": sum(1 for _, c in lat_c if c),
+        "lower_bound": {"latency_p50": l50c, "latency_p95": l95c, "ttft_p50": t50c, "ttft_p95": t95c},
+        "tokens_by_second": res.get("tokens_by_second"),
+        "kv_bytes": eng.get("kv_bytes"), "kv": eng.get("kv"), "cells_allocated": eng.get("cells_allocated"),
         "max_in_flight": eng.get("max_in_flight"), "in_flight_mean": rnd(eng.get("in_flight_mean"), 2),
         "in_flight_p50": eng.get("in_flight_p50"), "http_max_in_flight": stats.get("http", {}).get("max_in_flight"),
         "in_flight_cache_full_mean": rnd(eng.get("in_flight_cache_full_mean"), 2),
@@ -378,17 +423,36 @@ def table(rows: list[dict], eq: list[dict]) -> str:
     if not rows:  # the equal-batch part alone
         return "\n".join(_eq_lines(eq)).lstrip("\n") + "\n"
     cells = all(r.get("engine") == "llama.cpp" for r in rows)  # llama.cpp's cache is cells, not pages
+    # tokens/s of every row over the same window: the shortest row's whole seconds (rows recorded before the
+    # per-second counts have none: "-")
+    win = min((int(r["wall_s"]) for r in rows if r.get("tokens_by_second") is not None), default=0)
+    kvb = any(r.get("kv_bytes") for r in rows)
     lines = ["| policy | completed | in flight max / mean / median | in flight, cache full | tokens/s | "
+             f"tokens/s, first {win} s | "
              f"tokens per forward | latency p50 / p95 (s) | TTFT p50 (s) | "
-             f"{'peak cells / cells' if cells else 'peak pages / blocks'} | preemptions | evictions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{'peak cells / cells' if cells else 'peak pages / blocks'} | {'KV MiB | ' if kvb else ''}"
+             "preemptions | evictions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kvb else "")]
     for r in rows:
+        lb = r.get("lower_bound") or {}
+        ge = lambda k: ">= " if lb.get(k) else ""  # noqa: E731  a percentile reached by a cut request
+        w = tokens_in_window({"tokens_by_second": r.get("tokens_by_second")}, win) if win else None
         lines.append(f"| {r['label']} | {r['completed']}/{r['requests']} | {r['max_in_flight']} / "
                      f"{r['in_flight_mean']} / {r['in_flight_p50']} | {_cache_full(r)} | {r['tokens_per_s']} | "
+                     f"{'-' if w is None else round(w / win, 2)} | "
                      f"{_per_forward(r)} | "
-                     f"{r['latency_p50_s']} / {r['latency_p95_s']} | "
-                     f"{r['ttft_p50_s']} | {peak_kv(r)} | {r['preemptions']} | "
-                     f"{r['evictions']} |")
+                     f"{ge('latency_p50')}{r['latency_p50_s']} / {ge('latency_p95')}{r['latency_p95_s']} | "
+                     f"{ge('ttft_p50')}{r['ttft_p50_s']} | {peak_kv(r)} | "
+                     + (f"{round(r['kv_bytes'] / 2**20, 1) if r.get('kv_bytes') else '-'} | " if kvb else "")
+                     + f"{r['preemptions']} | {r['evictions']} |")
+    if any(r.get("censored") for r in rows):
+        lines += ["", "Latency and TTFT percentiles are over every request; a request cut by --timeout counts with "
+                      "its time so far (censored: 'unfinished' in results.jsonl), so a percentile marked >= is a "
+                      "lower bound."]
+    if kvb:
+        by = {r.get("kv_bytes") for r in rows if r.get("kv_bytes")}
+        lines += ["", "KV MiB: the KV cache the server allocated (llama.cpp: cells x every layer's K and V rows); "
+                      + ("equal for every row." if len(by) == 1 else "NOT equal across rows: compare with care.")]
     full = next((r for r in rows if r["policy"] == "full"), None)
     if full and full.get("max_in_flight"):
         lines.append("")

@@ -110,6 +110,9 @@ def register(sub) -> None:
                         "--url)")
     v.add_argument("--sequences", type=positive_int, default=None,
                    help="sequences the llama.cpp server decodes at once (llama.cpp; default --concurrency)")
+    v.add_argument("--kv", choices=("streams", "unified"), default=None,
+                   help="the llama.cpp server's cache layout (llama.cpp; default: the server's, streams for an "
+                        "evicting policy, unified for full)")
     v.add_argument("--max-batch-tokens", type=positive_int, default=256, help="tokens per forward pass")
     v.add_argument("--url", default=None, help="load an already running server instead (one row: its policy)")
     v.add_argument("--requests", type=positive_int, default=32, help="requests per policy (R)")
@@ -177,6 +180,8 @@ def run_serve(args) -> int:
               "max_prompt_tokens": args.max_prompt_tokens}
     if llama:  # in the key only for llama.cpp, so torch rows recorded before stay reusable
         common.update(engine="llama.cpp", ctx=args.ctx, sequences=args.sequences or args.concurrency)
+        if args.kv:  # in the key only when named, so rows recorded before stay reusable
+            common["kv"] = args.kv
     sampling = None
     if args.temperature > 0:  # in the key only when sampled, so greedy rows recorded before stay reusable
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
@@ -187,6 +192,8 @@ def run_serve(args) -> int:
         server_argv += ["--engine", "llama.cpp", "--sequences", str(common["sequences"])]
         if args.ctx:
             server_argv += ["--ctx", str(args.ctx)]
+        if args.kv:
+            server_argv += ["--kv", args.kv]
     else:
         server_argv += ["--page", str(args.page)]
         if args.num_blocks:

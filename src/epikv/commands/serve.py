@@ -49,8 +49,14 @@ def register(sub) -> None:
                    help="pages in the shared KV cache (required: the engine's default fills 90%% of free memory)")
     c = p.add_argument_group("cells (--engine llama.cpp)")
     c.add_argument("--ctx", type=positive_int, default=None,
-                   help="KV cells of the one llama.cpp context, shared by all sequences (required); eviction frees "
+                   help="KV cells of the one llama.cpp context: with --kv streams, ctx / sequences cells a stream "
+                        "(default for an evicting policy: derived, sequences x (budget + tau - 1 + "
+                        "--max-batch-tokens)); with --kv unified, shared by all sequences (required); eviction frees "
                         "single cells")
+    c.add_argument("--kv", choices=("streams", "unified"), default=None,
+                   help="streams: one KV stream per sequence, which attends only to its own cells and answers the "
+                        "same whatever its batch-mates (default for an evicting policy); unified: one cache shared "
+                        "by all sequences (default for full)")
     c.add_argument("--sequences", type=positive_int, default=None,
                    help="sequences decoded at once, at most (required; up to 256)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=256,
@@ -118,7 +124,7 @@ def run(args) -> int:
     evicts = REGISTRY[args.policy].evicts
     if args.engine == "llama.cpp":
         return _run_llamacpp(args, settings, evicts)
-    given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is not None]
+    given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv)) if v is not None]
     if given:
         raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
                          "--num-blocks pages of --page tokens")
@@ -214,7 +220,9 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
     if given:
         raise EpiKVError(f"{' and '.join(given)}: options of the torch engine's paged cache; --engine llama.cpp "
                          "takes --ctx cells and --sequences")
-    missing = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is None]
+    streams = (args.kv or ("streams" if evicts else "unified")) == "streams"
+    missing = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is None
+               and not (f == "--ctx" and streams and evicts)]
     if missing:
         raise EpiKVError(f"--engine llama.cpp needs {' and '.join(missing)} (KV cells of the one context, and the "
                          "sequences decoded at once)")
@@ -227,26 +235,28 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
 
     backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
                            sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
-                           **settings)
+                           kv=args.kv, **settings)
     sock = None
     server = None
     try:
         sock = _bind(args.host, args.port)
         tok = eng.gm.tokenizer
         server = Server(backend, tok, model_name=args.model, eos=tok.eog_ids(), default_max_tokens=args.max_tokens,
-                        max_positions=eng.gm.n_ctx_train or None, prompt_limit=args.ctx if evicts else None,
-                        total_limit=None if evicts else args.ctx, max_waiting=args.max_waiting,
+                        max_positions=eng.gm.n_ctx_train or None, prompt_limit=backend.cells if evicts else None,
+                        total_limit=None if evicts else backend.stream_cells, max_waiting=args.max_waiting,
                         request_timeout=args.request_timeout, reasoning_parser=args.reasoning_parser,
                         info={"model": args.model, "engine": "llama.cpp", "policy": args.policy,
-                              "budget": backend.budget, "ctx": args.ctx, "sequences": args.sequences,
+                              "budget": backend.budget, "ctx": backend.cells, "sequences": args.sequences,
+                              "kv": "streams" if backend.streams else "unified", "stream_cells": backend.stream_cells,
                               "max_batch_tokens": args.max_batch_tokens, "threads": backend.threads,
                               "llama_cpp": lib.load().version, "system_info": lib.system_info(),
                               "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
                               "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}})
         what = args.policy + (f" K={backend.budget}" if backend.budget else "")
-        _http(args, server, sock, f"llama.cpp, model {args.model}, {what}, {args.ctx} cells, "
-                                  f"{args.sequences} sequences")
+        cells = (f"{args.sequences} streams of {backend.stream_cells} cells" if backend.streams else
+                 f"{backend.cells} cells, {args.sequences} sequences")
+        _http(args, server, sock, f"llama.cpp, model {args.model}, {what}, {cells}")
     finally:
         if server is not None:
             server.close()

@@ -115,11 +115,17 @@ def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:
 
 def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int,
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
-                 attn: dict[str, list[int]] | None = None):
+                 attn: dict[str, list[int]] | None = None, kv_unified: bool = True):
     """A llama.cpp context with one unified KV stream of n_ctx cells (freed cells serve any sequence, and a
     micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` (and of the
     queries / keys / values of `attn`'s layers, attn_plan) wired into its eval callback, probed (probe_context).
-    Returns (ctx, capture or None, CellCounter or None); keep the capture alive as long as the context."""
+    Returns (ctx, capture or None, CellCounter or None); keep the capture alive as long as the context.
+
+    kv_unified=False: one stream per sequence id instead (n_ctx / n_seq_max cells each, rounded up by llama.cpp to
+    a multiple of 256: llama_n_ctx_seq); a sequence attends only to its own stream. llama.cpp then splits a batch
+    with split_equal (LLAMACPP.md section 9): the caller must hand llama_decode batches that form one micro-batch in
+    batch order (serving/llamacpp.py: consecutive increasing sequence ids, the same number of tokens each, grouped
+    by sequence), or the captured rows are not the batch's."""
     ll = lib.load().ll
     if type_kv not in KV_TYPES:
         raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
@@ -132,7 +138,7 @@ def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, 
     cp.n_ctx = n_ctx
     cp.n_batch = cp.n_ubatch = n_batch  # one micro-batch a decode: rows in batch order
     cp.n_seq_max = n_seq_max
-    cp.kv_unified = True
+    cp.kv_unified = bool(kv_unified)
     cp.n_threads = cp.n_threads_batch = threads
     cp.type_k = cp.type_v = KV_TYPES[type_kv]
     cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else

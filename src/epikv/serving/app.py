@@ -46,6 +46,26 @@ class BadRequest(Exception):
         self.param = param
 
 
+def _content_text(i: int, content) -> str:
+    """A message's text: a string, or a list of OpenAI content parts `{"type": "text", "text": ...}` joined in
+    order with newlines (as vLLM joins them); any other part type is refused by name."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"part type {kind!r}" if isinstance(kind, str) else "a part that is not {type: text, text: <text>}"
+            raise BadRequest(f"messages[{i}].content[{j}]: {what} is not supported by this text-only server (only "
+                             "text parts)", "messages")
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages[{i}].content[{j}] must be {{type: text, text: <text>}}", "messages")
+        texts.append(part["text"])
+    if not texts:
+        raise BadRequest(f"messages[{i}].content is an empty list of parts", "messages")
+    return "\n".join(texts)
+
+
 class Busy(Exception):
     """A well-formed request the server cannot take now: answered `status` with Retry-After."""
 
@@ -392,10 +412,10 @@ def parse_request(server: Server, body, chat: bool) -> dict:
         clean = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
+                    or not isinstance(m.get("content"), (str, list)):
                 raise BadRequest(f"messages[{i}] must be {{role: system|user|assistant, content: <text>}}",
                                  "messages")
-            clean.append({"role": m["role"], "content": m["content"]})
+            clean.append({"role": m["role"], "content": _content_text(i, m["content"])})
         if not getattr(tok, "chat_template", None):
             raise BadRequest(f"model {server.model_name} has no chat template: use /v1/completions")
         text = tok.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)

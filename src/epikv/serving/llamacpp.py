@@ -3,12 +3,25 @@ the budget by removing single cells (LLAMACPP.md sections 2 and 3).
 
 - One thread owns the context (llama.cpp's context is not thread-safe); the app talks to it through queues
   (`LlamaBackend`, the serving.backend.Backend interface).
-- One unified KV stream of `ctx` cells shared by up to `sequences` sequences: a cell one sequence frees serves any
-  other. A request is admitted (first come, first served) when its protected prompt and recency window fit the free
-  cells not yet promised to sequences still filling theirs (`full`, which never evicts: its prompt and max_tokens).
-- Each step is one `llama_decode` of one batch: the next token of every decoding sequence, then prompt chunks, at
-  most `max_batch_tokens` rows and never more than the free cells. With one unified stream and n_ubatch = the batch,
-  row i of a captured block output is batch token i (LLAMACPP.md section 1), so each sequence reads its own slice.
+- Two cache layouts (`kv`):
+  - "streams" (the default for an evicting policy): one llama.cpp KV stream per sequence slot (kv_unified = false,
+    n_seq_max = sequences), each of `ctx / sequences` cells (derived, when ctx is None, as budget + tau - 1 + one
+    prompt chunk of max_batch_tokens; llama.cpp rounds a stream up to a multiple of 256 cells, all used). A sequence
+    attends only to its own stream, so its attention costs its own cells (at most budget + tau - 1 + a chunk), not
+    every sequence's, and its logits do not depend on its batch-mates. A request is admitted when a slot is free.
+  - "unified" (the default for `full`, whose requests differ in length): one stream of `ctx` cells shared by up to
+    `sequences` sequences: a cell one sequence frees serves any other. A request is admitted (first come, first
+    served) when its protected prompt and recency window fit the free cells not yet promised to sequences still
+    filling theirs (`full`, which never evicts: its prompt and max_tokens).
+- Each step feeds the next token of every decoding sequence, then prompt chunks, at most `max_batch_tokens` rows
+  (and, unified, never more than the free cells). Unified: one `llama_decode` a step; with n_ubatch = the batch, row
+  i of a captured block output is batch token i (LLAMACPP.md section 1), so each sequence reads its own slice.
+  Streams: llama.cpp splits a batch by stream (split_equal, `src/llama-batch.cpp`): a micro-batch takes sequences
+  of consecutive increasing ids only, the same number of tokens from each, its rows grouped by sequence in id
+  order, and the capture keeps only the last micro-batch's rows. So the step hands llama.cpp batches that are one
+  micro-batch each, in the order llama.cpp would lay them out: the decoding sequences in runs of consecutive ids
+  (one token each, ids increasing), and each prompt chunk on its own (whole chunks of at most max_batch_tokens:
+  a request's chunks do not depend on its batch-mates). Slot ids are handed out lowest first, so runs stay long.
 - Each sequence is a SequenceCache (sequence.py, the single-sequence decoder's own code): its policy is fed its
   rows, and it evicts, by runs of cells, between steps, never its newest token.
 - A finished, failed or cancelled sequence's cells are removed at once (`seq_rm(s, -1, -1)`). When the running
@@ -37,6 +50,8 @@ from ..llamacpp.model import GGUFModel
 from ..llamacpp.sequence import SequenceCache
 from .backend import Backend, Output, mean_p50
 
+KV_LAYOUTS = ("streams", "unified")
+
 
 log = logging.getLogger("epikv.serve")
 
@@ -63,33 +78,48 @@ class _Req:
 
 
 class LlamaBackend(Backend):
-    """The llama.cpp engine behind `epikv serve`: one context of `ctx` cells (llama.cpp may allocate more, rounded
-    up; only `ctx` are used), up to `sequences` sequences, `max_batch_tokens` rows a decode. spare_sequences:
-    sequence ids past `sequences` left to a caller (the tests build an oracle there from the engine thread)."""
+    """The llama.cpp engine behind `epikv serve`: one context of `ctx` cells (unified: llama.cpp may allocate more,
+    rounded up; only `ctx` are used; streams: `ctx / sequences` a stream, rounded up to 256 by llama.cpp and all
+    used), up to `sequences` sequences, `max_batch_tokens` rows a step. kv: "streams" or "unified" (default: streams
+    for an evicting policy, unified for `full`). spare_sequences: sequence ids past `sequences` left to a caller (the
+    tests build an oracle there from the engine thread; with streams each gets a stream of its own)."""
 
     sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     per_request_eos = True
     capacity_flags = "--ctx"
 
     def __init__(self, gm: GGUFModel, policy="epikv", budget: int | None = 1024, tau: int | None = None, *,
-                 ctx: int, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
+                 ctx: int | None = None, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
-                 spare_sequences: int = 0, **policy_settings) -> None:
+                 spare_sequences: int = 0, kv: str | None = None, **policy_settings) -> None:
         self.gm = gm
         self.policy, self.blocks = checked_policy(gm, policy, budget, tau, **policy_settings)
         ev = self.policy.evicts
         self.budget = budget if ev else None
         self.recent = self.policy.recent_window(budget) if ev else 0
-        if sequences < 1 or ctx < 1 or max_batch_tokens < 1:
+        kv = kv or ("streams" if ev else "unified")
+        if kv not in KV_LAYOUTS:
+            raise EpiKVError(f"--kv must be one of {', '.join(KV_LAYOUTS)}, got {kv!r}")
+        self.streams = kv == "streams"
+        if sequences < 1 or (ctx is not None and ctx < 1) or max_batch_tokens < 1:
             raise EpiKVError("--ctx, --sequences and --max-batch-tokens must be positive integers")
-        if sequences > 256:
-            raise EpiKVError(f"--sequences {sequences}: a unified llama.cpp cache takes at most 256 sequences")
+        if ctx is None and self.streams and ev:  # derived: the most a sequence ever holds, one prompt chunk included
+            ctx = sequences * (budget + self.policy.tau - 1 + max_batch_tokens)
+        if ctx is None:
+            raise EpiKVError(f"--engine llama.cpp with {'policy full' if not ev else 'a unified cache'} needs --ctx "
+                             "(the KV cells of the context)")
+        if sequences + spare_sequences > 256:
+            raise EpiKVError(f"--sequences {sequences}: a llama.cpp context takes at most 256 sequences")
         if max_batch_tokens < sequences:
             raise EpiKVError(f"--max-batch-tokens {max_batch_tokens} is below --sequences {sequences}: every running "
                              "sequence's next token goes into one batch")
-        if ev and ctx < budget + self.policy.tau:
-            raise EpiKVError(f"--ctx {ctx} cannot hold one sequence at its budget: {self.policy.name} grows to "
-                             f"budget + tau = {budget + self.policy.tau} cells before it evicts")
+        per = ctx // sequences if self.streams else ctx
+        if ev and per < budget + self.policy.tau:
+            what = f"gives each of the {sequences} streams {per} cells" if self.streams else \
+                "cannot hold one sequence at its budget"
+            raise EpiKVError(f"--ctx {ctx} {what}: {self.policy.name} grows to budget + tau = "
+                             f"{budget + self.policy.tau} cells before it evicts"
+                             + (" (leave --ctx out to derive it)" if self.streams else ""))
         self.cells = ctx
         self.sequences = sequences
         self.max_batch = max_batch_tokens
@@ -98,11 +128,16 @@ class LlamaBackend(Backend):
         self._ll = ll = lib.load().ll
         # the context is probed before the server takes a request: a model whose graph cannot be captured is
         # refused here (EpiKVError: `epikv serve` says so in one line and exits 2)
+        n_seq = sequences + spare_sequences
         self.ctx, self.capture, self.cell_counter = make_context(
-            gm, self.blocks, n_ctx=ctx, n_batch=max_batch_tokens, n_seq_max=sequences + spare_sequences,
+            gm, self.blocks, n_ctx=per * n_seq if self.streams else ctx, n_batch=max_batch_tokens, n_seq_max=n_seq,
             threads=self.threads, capture=capture, type_kv=type_kv, flash_attn=flash_attn,
-            attn=attn_plan(gm, self.policy))
+            attn=attn_plan(gm, self.policy), kv_unified=not self.streams)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
+        # cells one sequence may hold: its own stream (llama.cpp's size, rounded up to 256), or the unified cache
+        self.stream_cells = int(ll.llama_n_ctx_seq(self.ctx)) if self.streams else self.cells
+        if self.streams:
+            self.cells = self.stream_cells * sequences
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(max_batch_tokens, 0, 1)
         self.all_outputs = all_outputs(gm, self.blocks)
@@ -119,7 +154,7 @@ class LlamaBackend(Backend):
         self._lock = threading.Lock()
         self.fatal: str | None = None
         self.counters = dict(admitted=0, finished=0, failed=0, cancelled=0, preemptions=0, evictions=0,
-                             evicted_tokens=0, steps=0, batch_rows=0, max_running=0, peak_cells=0)
+                             evicted_tokens=0, steps=0, decodes=0, batch_rows=0, max_running=0, peak_cells=0)
         # sequences holding cells, per decode; and the same over the decodes in which a request waited for cells
         # (a sequence id was free): what the cache holds when it is the limit (bench serve's "in flight, cache full")
         self.in_flight_hist: dict[int, int] = {}
@@ -180,17 +215,21 @@ class LlamaBackend(Backend):
             if why:
                 return why
             need = self.policy.protected(n_prompt) + self.recent
-            if min(need, n_prompt) > self.cells:
-                return f"the prompt's protected tokens and recency window ({need}) exceed the {self.cells} cells"
-        elif n_prompt + 1 > self.cells:  # (the app refuses prompt + max_tokens beyond the cells: total_limit)
-            return f"prompt ({n_prompt} tokens) does not fit the {self.cells} cells of the cache"
+            if min(need, n_prompt) > self.stream_cells:
+                return (f"the prompt's protected tokens and recency window ({need}) exceed the {self.stream_cells} "
+                        f"cells {'of a stream' if self.streams else ''}".rstrip())
+        elif n_prompt + 1 > self.stream_cells:  # (the app refuses prompt + max_tokens beyond the cells: total_limit)
+            return (f"prompt ({n_prompt} tokens) does not fit the {self.stream_cells} cells of the "
+                    f"{'stream of a sequence' if self.streams else 'cache'}")
         return None
 
     def total_refusal(self, n_prompt: int, max_tokens: int) -> str | None:
         """Why a request of this length can never run: under `full` its prompt and max_tokens must fit the cells."""
-        if not self.policy.evicts and n_prompt + max_tokens > self.cells:
-            return (f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the {self.cells} cells of this "
-                    "server's llama.cpp cache (--ctx)")
+        if not self.policy.evicts and n_prompt + max_tokens > self.stream_cells:
+            where = "a sequence's stream in this server's llama.cpp cache (--ctx / --sequences)" if self.streams \
+                else "this server's llama.cpp cache (--ctx)"
+            return (f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the {self.stream_cells} cells of "
+                    f"{where}")
         return None
 
     def stats(self) -> dict:
@@ -201,7 +240,9 @@ class LlamaBackend(Backend):
         c["in_flight_mean"], c["in_flight_p50"] = mean or 0.0, p50 or 0
         c["in_flight_cache_full_mean"], c["in_flight_cache_full_p50"], c["cache_full_steps"] = \
             mean_p50(self.cache_full_hist)
-        c.update(engine="llama.cpp", cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
+        c.update(engine="llama.cpp", kv="streams" if self.streams else "unified", stream_cells=self.stream_cells,
+                 cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
+                 kv_bytes=self.n_ctx * self.gm.kv_bytes_per_cell(self.type_kv) or None,
                  cells_held_when_idle=self.llama_cells_idle,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
@@ -295,11 +336,14 @@ class LlamaBackend(Backend):
 
     def _admit(self) -> None:
         while self._waiting and self._free_ids and not self._hold:
-            promised = sum(max(0, self.need(r) - r.seq.stored()) for r in self._running)
             r = self._waiting[0]
-            if self.cells - self._held() - promised < self.need(r):
-                return
+            if not self.streams:  # a stream of its own holds any admissible request (prompt_refusal)
+                promised = sum(max(0, self.need(r) - r.seq.stored()) for r in self._running)
+                if self.cells - self._held() - promised < self.need(r):
+                    return
             self._waiting.popleft()
+            if self.streams:  # lowest id first: decoding ids stay consecutive, so a step is few micro-batches
+                self._free_ids.sort()
             seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks,
                        self.cell_counter, KV_DTYPES[self.type_kv])
             # a sequence holds at most budget + tau - 1 cells and a step's rows
@@ -345,6 +389,37 @@ class LlamaBackend(Backend):
         self._waiting.appendleft(r)
         self._hold = True  # no admission until a request ends: readmitted at once, it would be preempted again
 
+    def _plan_streams(self) -> list[list[tuple[_Req, list[int]]]]:
+        """This step's llama_decode calls, each one llama.cpp micro-batch in batch order (module docstring): the
+        decoding sequences in runs of consecutive ids, one token each; then whole prompt chunks of min(the rest of
+        the prompt, max_batch_tokens, the stream's free cells), each its own call, in admission order, while the
+        step's rows stay within max_batch_tokens (the first chunk goes whatever the decodes took)."""
+        decoding = sorted((r for r in self._running if r.fed >= len(r.prompt)), key=lambda r: r.seq.seq)
+        calls, run = [], []
+        for r in decoding:
+            if r.seq.stored() + 1 > self.stream_cells:  # cannot happen for an admissible request (prompt_refusal)
+                self._fail(r, f"the request does not fit the {self.stream_cells} cells of its stream")
+                continue
+            if run and r.seq.seq != run[-1][0].seq.seq + 1:
+                calls.append(run)
+                run = []
+            run.append((r, [r.generated[r.fed - len(r.prompt)]]))
+        if run:
+            calls.append(run)
+        rows, chunks = len(decoding), 0
+        for r in list(self._running):
+            if r.fed < len(r.prompt):
+                t = min(len(r.prompt) - r.fed, self.max_batch, self.stream_cells - r.seq.stored())
+                if t < 1:
+                    self._fail(r, f"the request does not fit the {self.stream_cells} cells of its stream")
+                    continue
+                if chunks and rows + t > self.max_batch:
+                    continue
+                calls.append([(r, r.prompt[r.fed: r.fed + t])])
+                rows += t
+                chunks += 1
+        return calls
+
     def _plan(self) -> list[tuple[_Req, list[int]]]:
         """This step's rows: every decoding sequence's next token, then prompt chunks, within the free cells and
         max_batch_tokens; preempts the most recently admitted sequence while the next tokens do not fit."""
@@ -377,9 +452,20 @@ class LlamaBackend(Backend):
         return plan
 
     def _step(self) -> None:
-        plan = self._plan()
-        if not plan:
+        calls = self._plan_streams() if self.streams else [p for p in [self._plan()] if p]
+        if not calls:
             return
+        holding = len(self._running)
+        self.counters["steps"] += 1
+        self.in_flight_hist[holding] = self.in_flight_hist.get(holding, 0) + 1
+        if self._waiting and self._free_ids:  # admission stopped at the cells (or a preemption's hold), not the ids
+            self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
+        for plan in calls:
+            self._decode(plan)
+        self._in_use = self._held()
+
+    def _decode(self, plan: list[tuple[_Req, list[int]]]) -> None:
+        """One llama_decode of the plan's rows in plan order; each sequence records its rows and samples."""
         ll, b = self._ll, self.batch
         j = 0
         for r, toks in plan:
@@ -393,7 +479,6 @@ class LlamaBackend(Backend):
         b.n_tokens = j
         if self.capture is not None:
             self.capture.reset()
-        holding = len(self._running)
         # cells at their fullest: after this decode, before the sequences record its rows (and evict)
         self.counters["peak_cells"] = max(self.counters["peak_cells"], self._held() + j)
         rc = ll.llama_decode(self.ctx, b)
@@ -401,10 +486,7 @@ class LlamaBackend(Backend):
             for r, _ in plan:
                 self._fail(r, f"llama_decode failed with status {rc}")
             return
-        self.counters["steps"] += 1
-        self.in_flight_hist[holding] = self.in_flight_hist.get(holding, 0) + 1
-        if self._waiting and self._free_ids:  # admission stopped at the cells (or a preemption's hold), not the ids
-            self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
+        self.counters["decodes"] += 1
         self.counters["batch_rows"] += j
         cap = self.capture
         try:
