@@ -19,28 +19,8 @@ import torch
 
 from epikv.errors import EpiKVError
 
-PROMPT = "Explain step by step why the sum of two odd numbers is even, then give two examples."
-
-
-@pytest.fixture(scope="module")
-def gm():
-    from epikv.llamacpp import available, load_gguf
-
-    assert available(), "llama-cpp-python is missing: run `bash scripts/install.sh --llamacpp`"
-    return load_gguf("smollm2")
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(gm):
-    from epikv.engine import encode_prompts
-
-    return encode_prompts(gm.tokenizer, [PROMPT], chat=True)[0]
-
-
-def _ll():
-    from epikv.llamacpp import load
-
-    return load().ll
+# the embedded GGUF, its chat prompt and llama.cpp's module: the same fixtures as the engine's own tests
+from test_llamacpp import PROMPT, _ll, gm, prompt_ids  # noqa: E402,F401
 
 
 def _greedy(dec, ids, n_steps, tokens=None):

@@ -49,15 +49,20 @@ def _backend(gm, request, **kw):
     return be
 
 
-def _run(be, prompts, sampling=None, seeds=None, ignore_eos=False):
+def _run(be, prompts, sampling=None, seeds=None, ignore_eos=False, max_tokens=None, ends=None):
+    """Submit all at once (max_tokens: one per prompt, default N each); {rid: tokens}; ends: rids in finishing
+    order."""
     for k, ids in enumerate(prompts):
-        be.submit(str(k), ids, N, sampling=sampling, seed=seeds[k] if seeds else k, ignore_eos=ignore_eos)
+        be.submit(str(k), ids, max_tokens[k] if max_tokens else N, sampling=sampling,
+                  seed=seeds[k] if seeds else k, ignore_eos=ignore_eos)
     done = {}
     while len(done) < len(prompts):
         o = be.next_output(120)
         assert o is not None and o.error is None, o
         if o.finished:
             done[o.request_id] = o.tokens
+            if ends is not None:
+                ends.append(o.request_id)
     return done
 
 
@@ -119,15 +124,7 @@ def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, requ
 
     be.on_step = on_step
     ends = []  # the max_tokens differ, so slots free out of order and later requests take the freed ids
-    for k, ids in enumerate(prompts):
-        be.submit(str(k), ids, 12 + 7 * k, sampling=None, seed=k, ignore_eos=True)
-    done = {}
-    while len(done) < len(prompts):
-        o = be.next_output(120)
-        assert o is not None and o.error is None, o
-        if o.finished:
-            done[o.request_id] = o.tokens
-            ends.append(o.request_id)
+    done = _run(be, prompts, ignore_eos=True, max_tokens=[12 + 7 * k for k in range(len(prompts))], ends=ends)
     assert be.stats()["evictions"] >= 6 and be.stats()["max_running"] == 4
     assert all(g == n for g, n in counts) and max(n for _, n in counts) > be.stream_cells // 4
     assert any(len(c) > 1 for c in calls) and any(c[0][1] > 1 for c in calls)
