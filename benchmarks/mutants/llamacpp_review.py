@@ -30,7 +30,7 @@ for name, f, a, b, k in M:
     assert a in s, name
     p.write_text(s.replace(a, b, 1))
     try:
-        r = subprocess.run([str(root/".venv/bin/python"), "-m", "pytest", "-x", "-q", "tests/test_llamacpp_review.py", "-k", k],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "tests/test_llamacpp_review.py", "-k", k],
                            cwd=root, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
         last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-200:]
         print(f"{name}: rc={r.returncode} {last}", flush=True)
