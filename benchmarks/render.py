@@ -467,8 +467,8 @@ def headline() -> str:
     long8k = load_json("bench/long_smollm2_8192_cpu.json")
 
     seg = inter["segments_tok_s"]
-    (ep, ep_v), (pl, pl_v) = [(k, v) for k, v in seg.items() if k.startswith("epikv")][0], \
-        [(k, v) for k, v in seg.items() if not k.startswith("epikv")][0]
+    ep_v = next(v for k, v in seg.items() if k.startswith("epikv"))
+    pl_v = next(v for k, v in seg.items() if not k.startswith("epikv"))
     held = next(r for r in step["rows"] if r["config"].startswith("epikv llama.cpp (C"))
     full, k512 = eng[("llama.cpp", None)], eng[("llama.cpp", 512)]
 

@@ -275,7 +275,6 @@ class BlockCapture:
         in transformers' order (views of the buffers, or copies when reordered: copy to keep); EpiKVError when a node
         was not seen with its op (a builder that names no rotated Qcur / Kcur or no Vcur), or was not float32
         [head_dim, heads, n_tokens] laid out contiguously."""
-        s = self.struct
         lo, hi = len(self.blocks), len(self.blocks) + len(self.attn_nodes)
         want_ne = self._want_ne.copy()
         want_ne[:, 2] = n_tokens
