@@ -438,6 +438,7 @@ def test_soak_on_llama_cpp():
         assert st_warm["engine"]["cells_in_use"] == 0 and eng["cells_in_use"] == 0 and eng["running"] == 0
         # and llama.cpp's own count once idle: every ended, dropped or failed request's cells were removed
         assert st_warm["engine"]["cells_held_when_idle"] == 0 and eng["cells_held_when_idle"] == 0
+        assert eng["idle_checks"] > st_warm["engine"]["idle_checks"] >= 1  # counted after each part, not the start's
         assert eng["max_running"] > 1 and eng["evictions"] > 0
         assert rss_after <= 1.10 * rss_warm, (rss_warm, rss_after)
         assert not health_bad, health_bad[:3]

@@ -164,7 +164,7 @@ class LlamaBackend(Backend):
         # cells llama.cpp itself holds for any sequence id, counted by llama.cpp (not the mirrors) by the engine
         # thread each time it goes idle: 0 unless some ended request's cells were never removed
         self.llama_cells_idle = self.llama_cells()
-        self._busy = False
+        self.idle_checks = 0  # how many times the engine went idle and asked llama.cpp (0: the figure is the start's)
         self.trace: dict[str, list] | None = None  # test hook: request id -> the logits each token was drawn from
         self.on_step = None  # test hook: called by the engine thread after each step with this backend
         self._thread = threading.Thread(target=self._loop, name="epikv-llamacpp", daemon=True)
@@ -243,7 +243,7 @@ class LlamaBackend(Backend):
         c.update(engine="llama.cpp", kv="streams" if self.streams else "unified", stream_cells=self.stream_cells,
                  cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
                  kv_bytes=self.n_ctx * self.gm.kv_bytes_per_cell(self.type_kv) or None,
-                 cells_held_when_idle=self.llama_cells_idle,
+                 cells_held_when_idle=self.llama_cells_idle, idle_checks=self.idle_checks,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
                  kv_mirror_bytes=sum(r.seq.mirror_bytes() for r in list(self._running) if r.seq is not None),
@@ -278,13 +278,9 @@ class LlamaBackend(Backend):
                 self._commands(block=not (self._running or self._waiting))
                 self._admit()
                 if self._running:
-                    self._busy = True
                     self._step()
                     if self.on_step is not None:
                         self.on_step(self)
-                elif self._busy:  # just went idle: what does llama.cpp still hold?
-                    self._busy = False
-                    self.llama_cells_idle = self.llama_cells()
         except Exception as e:  # the context is in an unknown state: fail every request, stay unhealthy
             log.exception("the llama.cpp engine thread stopped")
             self.fatal = f"the llama.cpp engine stopped: {type(e).__name__}: {e}"
@@ -375,6 +371,9 @@ class LlamaBackend(Backend):
                 r.seq = None
             if r in self._running:
                 self._running.remove(r)
+        if not self._running and not self._waiting:  # idle now: what does llama.cpp itself still hold?
+            self.llama_cells_idle = self.llama_cells()  # (before the gauge reads 0, so a reader of 0 sees it)
+            self.idle_checks += 1
         self._in_use = self._held()
 
     def _fail(self, r: _Req, why: str) -> None:
