@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +38,12 @@ class Row:
     policy: str
     budget: int | None
     sets: list = field(default_factory=list)  # ["epikv.window=8", ...]
+    name: str | None = None  # the table's label when given (a server loaded by --url: what it is)
 
     @property
     def label(self) -> str:
+        if self.name:
+            return self.name
         return self.policy if self.budget is None else f"{self.policy} K={self.budget}"
 
 
@@ -112,39 +116,65 @@ def get_json(url: str, timeout: float = 10) -> dict:
 
 # ---------------------------------------------------------------------- load
 async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, seen: dict,
-               sampling: dict | None = None) -> dict:
+               sampling: dict | None = None, external: bool = False) -> dict:
     """One streamed chat request (greedy, or `sampling`: temperature, top_p and this request's seed); `seen["tokens"]`
-    follows the tokens received, so a request cut by the row's timeout still counts what it streamed."""
+    follows the tokens received, so a request cut by the row's timeout still counts what it streamed.
+    Tokens are counted from each chunk's `token_ids` (epikv serve). An external server (`external`: llama.cpp's
+    `llama-server`, which sends text only) is asked for `timings_per_token` and usage: a chunk's
+    `timings.predicted_n` is the tokens generated so far (a chunk may carry several, e.g. a character split over
+    tokens), and the closing usage chunk's completion_tokens the total; a server sending neither counts a token per
+    chunk with text."""
     t0 = time.perf_counter()
     first = None
-    ids: list[int] = []
+    n = 0
     finish = None
     seen["tokens"] = 0
     seen["t0"] = t0  # sent: a request cut by the timeout counts its time from here (censored)
+    extra = {"ignore_eos": True} if ignore_eos else {}
+    if external:
+        extra.update(timings_per_token=True, stream_options={"include_usage": True})
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                   stream=True, **(sampling or {"temperature": 0}),
-                                                  extra_body={"ignore_eos": True} if ignore_eos else None)
+                                                  extra_body=extra or None)
+
+    def got(k: int) -> None:  # k more tokens received now
+        nonlocal n, first
+        if k <= 0:
+            return
+        if first is None:
+            first = time.perf_counter() - t0
+            seen["ttft_s"] = first
+        n += k
+        seen["tokens"] = n
+        # tokens received by each whole second of the row (tokens/s of rows over a common window)
+        sec = int(time.perf_counter() - seen["row_t0"])
+        seen["by_second"][sec] = seen["by_second"].get(sec, 0) + k
+
     async for chunk in stream:
+        more = chunk.model_extra or {}
+        usage = getattr(chunk, "usage", None)
+        if usage is not None and getattr(usage, "completion_tokens", None) is not None:
+            got(usage.completion_tokens - n)  # the server's own total (a usage-only chunk closes the stream)
         if not chunk.choices:
             continue
         c = chunk.choices[0]
-        new = (c.model_extra or {}).get("token_ids") or []
-        if new and first is None:
-            first = time.perf_counter() - t0
-            seen["ttft_s"] = first
-        ids.extend(new)
-        seen["tokens"] = len(ids)
-        if new:  # tokens received by each whole second of the row (tokens/s of rows over a common window)
-            sec = int(time.perf_counter() - seen["row_t0"])
-            seen["by_second"][sec] = seen["by_second"].get(sec, 0) + len(new)
+        ids = (c.model_extra or {}).get("token_ids")
+        if ids:
+            got(len(ids))
+        elif isinstance(more.get("timings"), dict) and more["timings"].get("predicted_n") is not None:
+            got(int(more["timings"]["predicted_n"]) - n)  # cumulative
+        elif c.delta is not None and c.delta.content:
+            got(1)
         finish = c.finish_reason or finish
-    return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": len(ids), "finish": finish}
+    return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": n, "finish": finish}
 
 
 async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrency: int, max_tokens: int,
-                timeout: float, ignore_eos: bool = True, on_done=None, sampling: dict | None = None) -> dict:
+                timeout: float, ignore_eos: bool = True, on_done=None, sampling: dict | None = None,
+                external: bool = False) -> dict:
     """Send every prompt (chat messages) at `concurrency`, all within `timeout` seconds; per-request records.
-    sampling: {temperature, top_p, seed}: request i is sampled with seed + i (None: greedy)."""
+    sampling: {temperature, top_p, seed}: request i is sampled with seed + i (None: greedy). external: a server
+    other than epikv serve (see _one)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="epikv", max_retries=0, timeout=timeout)
@@ -158,7 +188,7 @@ async def drive(base_url: str, model: str, prompts: list[list[dict]], concurrenc
         async with sem:
             try:
                 own = None if sampling is None else {**sampling, "seed": sampling["seed"] + i}
-                records[i] = await _one(client, model, msgs, max_tokens, ignore_eos, seen[i], own)
+                records[i] = await _one(client, model, msgs, max_tokens, ignore_eos, seen[i], own, external)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one failed request is a row entry, not the end of the run
@@ -292,7 +322,9 @@ def tokenizer_of(model: str):
 
 # ---------------------------------------------------------------------- one row, resumable
 def row_key(row: Row, common: dict) -> str:
-    return json.dumps({"policy": row.policy, "budget": row.budget, "sets": row.sets, **common}, sort_keys=True)
+    named = {"label": row.name} if row.name else {}  # only when given, so rows recorded before stay reusable
+    return json.dumps({"policy": row.policy, "budget": row.budget, "sets": row.sets, **named, **common},
+                      sort_keys=True)
 
 
 def read_done(path: Path) -> dict[str, dict]:
@@ -324,6 +356,10 @@ def run_row(row: Row, server_argv: list[str], prompts: list[list[dict]], concurr
         url = srv.url
     try:
         model = model_name or get_json(url + "/v1/models")["data"][0]["id"]
+        # a server without epikv's /stats (llama.cpp's llama-server) is loaded as an external one: no engine
+        # counts, tokens from its timings and usage (see _one)
+        stats0 = server_stats(url)
+        external = stats0 is None
         n = [0]
 
         def done(i, rec):
@@ -332,8 +368,8 @@ def run_row(row: Row, server_argv: list[str], prompts: list[list[dict]], concurr
             say(f"  {row.label}: request {i} done ({n[0]}/{len(prompts)}): {what}")
 
         res = asyncio.run(drive(url, model, prompts, concurrency, max_tokens, timeout, on_done=done,
-                                sampling=sampling))
-        stats = get_json(url + "/stats")
+                                sampling=sampling, external=external))
+        stats = {} if external else get_json(url + "/stats")
     finally:
         if srv is not None:
             rc = srv.stop()
@@ -341,7 +377,17 @@ def run_row(row: Row, server_argv: list[str], prompts: list[list[dict]], concurr
                 say(f"  {row.label}: server exited {rc}")
     out = summarize(row, res, stats, len(prompts), concurrency, max_tokens)
     out["server"] = stats.get("server")
+    if external:
+        out.update(engine="external", url=url)
     return out
+
+
+def server_stats(url: str) -> dict | None:
+    """epikv serve's /stats, or None when the server has none (not epikv: llama-server answers 404)."""
+    try:
+        return get_json(url + "/stats")
+    except urllib.error.HTTPError:
+        return None
 
 
 # ---------------------------------------------------------------------- equal batch, in process
@@ -437,14 +483,16 @@ def table(rows: list[dict], eq: list[dict]) -> str:
         lb = r.get("lower_bound") or {}
         ge = lambda k: ">= " if lb.get(k) else ""  # noqa: E731  a percentile reached by a cut request
         w = tokens_in_window({"tokens_by_second": r.get("tokens_by_second")}, win) if win else None
-        lines.append(f"| {r['label']} | {r['completed']}/{r['requests']} | {r['max_in_flight']} / "
-                     f"{r['in_flight_mean']} / {r['in_flight_p50']} | {_cache_full(r)} | {r['tokens_per_s']} | "
+        inf = "-" if r.get("max_in_flight") is None else \
+            f"{r['max_in_flight']} / {r['in_flight_mean']} / {r['in_flight_p50']}"
+        lines.append(f"| {r['label']} | {r['completed']}/{r['requests']} | {inf} | {_cache_full(r)} | "
+                     f"{r['tokens_per_s']} | "
                      f"{'-' if w is None else round(w / win, 2)} | "
-                     f"{_per_forward(r)} | "
+                     f"{_v(_per_forward(r))} | "
                      f"{ge('latency_p50')}{r['latency_p50_s']} / {ge('latency_p95')}{r['latency_p95_s']} | "
                      f"{ge('ttft_p50')}{r['ttft_p50_s']} | {peak_kv(r)} | "
                      + (f"{round(r['kv_bytes'] / 2**20, 1) if r.get('kv_bytes') else '-'} | " if kvb else "")
-                     + f"{r['preemptions']} | {r['evictions']} |")
+                     + f"{_v(r['preemptions'])} | {_v(r['evictions'])} |")
     if any(r.get("censored") for r in rows):
         lines += ["", "Latency and TTFT percentiles are over every request; a request cut by --timeout counts with "
                       "its time so far (censored: 'unfinished' in results.jsonl), so a percentile marked >= is a "
@@ -494,8 +542,14 @@ def _eq_lines(eq: list[dict]) -> list[str]:
     return lines
 
 
+def _v(x) -> str:
+    return "-" if x is None else str(x)
+
+
 def peak_kv(r: dict) -> str:
     """The peak KV held and the capacity: cells for llama.cpp, pages for the torch engine."""
+    if r.get("engine") == "external":
+        return "-"  # not reported by a server other than epikv serve
     if r.get("engine") == "llama.cpp":
         return f"{r['peak_cells']} / {r['cells']}"
     return f"{r['peak_pages']} / {r['num_blocks']}"
@@ -504,8 +558,8 @@ def peak_kv(r: dict) -> str:
 def _cache_full(r: dict) -> str:
     """The table's 'in flight, cache full' cell: the mean over the forwards in which the cache held a request back,
     with how many forwards that was; 'never full' (lower bound: all requests) when it never did."""
-    if "cache_full_steps" not in r:
-        return "-"  # a row recorded before this measure existed
+    if "cache_full_steps" not in r or r.get("engine") == "external":
+        return "-"  # a row recorded before this measure existed, or a server that does not report it
     if not r.get("cache_full_steps"):
         return f"never full (>= {r['max_in_flight']})"
     return f"{r['in_flight_cache_full_mean']} ({r['cache_full_steps']} fwd)"

@@ -114,7 +114,10 @@ def register(sub) -> None:
                    help="the llama.cpp server's cache layout (llama.cpp; default: the server's, streams for an "
                         "evicting policy, unified for full)")
     v.add_argument("--max-batch-tokens", type=positive_int, default=256, help="tokens per forward pass")
-    v.add_argument("--url", default=None, help="load an already running server instead (one row: its policy)")
+    v.add_argument("--url", default=None,
+                   help="load an already running server instead (one row: its policy); a server without epikv's "
+                        "/stats (llama.cpp's llama-server) is counted from its timings and usage")
+    v.add_argument("--label", default=None, help="the --url row's label in the table (default: its policy)")
     v.add_argument("--requests", type=positive_int, default=32, help="requests per policy (R)")
     v.add_argument("--concurrency", type=positive_int, default=32, help="requests open at once (C)")
     v.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens generated per request (forced)")
@@ -159,14 +162,16 @@ def run_serve(args) -> int:
     if args.url is None and (args.ctx if llama else args.num_blocks) is None:
         raise EpiKVError(f"{'--ctx' if llama else '--num-blocks'} is required (or --url for a running server)")
     args.page = None if llama else (args.page or 16)
-    if args.url is not None and (len(names) > 1 or len(args.budgets) > 1):
-        raise EpiKVError("--url loads one running server: give one policy and one budget (its own)")
+    if args.label is not None and args.url is None:
+        raise EpiKVError("--label names the row of a running server: give --url")
     rows = []
     for name in names:
         sets = [f"{n}.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}"
                 for n, k, v in (args.set or []) if n == name]
         for k in ([None] if not REGISTRY[name].evicts else dict.fromkeys(args.budgets)):
-            rows.append(Row(name, k, sets))
+            rows.append(Row(name, k, sets, name=args.label))
+    if args.url is not None and len(rows) > 1:
+        raise EpiKVError("--url loads one running server: give one policy and one budget (its own)")
     folder = args.data_dir or (str(data_dir()) if not args.data.endswith(".jsonl") else None)
     tok = tokenizer_of(args.model) if args.max_prompt_tokens else None
     prompts, source = chat_prompts(args.data, folder, args.requests, tok, args.max_prompt_tokens)
@@ -250,7 +255,8 @@ def run_serve(args) -> int:
     text = table(recs, eq)
     how = (f"sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed} + i)" if sampling
            else "greedy")
-    cache = (f"llama.cpp, {args.ctx} cells, {common['sequences']} sequences" if llama
+    cache = ("a running server (--url)" if args.url else
+             f"llama.cpp, {args.ctx} cells, {common['sequences']} sequences" if llama
              else f"page {args.page}, {args.num_blocks} blocks")
     head = (f"{args.model}, {cache}, {args.requests} requests x {args.max_tokens} "
             f"tokens (forced), concurrency {args.concurrency}, data {args.data}, {how}\n\n")
