@@ -242,6 +242,12 @@ def test_models_health_stats(served):
     st = served.get("/stats")
     assert st["server"]["budget"] == K and st["server"]["num_blocks"] == BLOCKS
     assert {"peak_pages", "pages_in_use", "pages_freed", "evictions", "max_in_flight", "preemptions"} <= set(st["engine"])
+    # the KV bytes of its pages (bench serve compares engines at equal bytes): every layer's K and V, float32
+    from epikv.models import PRESETS
+
+    c = PRESETS["tiny"]
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    assert st["engine"]["kv_bytes"] == BLOCKS * PAGE * per_token
 
 
 @pytest.mark.parametrize("body, says", [

@@ -442,8 +442,20 @@ def serving_stats(manager) -> dict:
     st["in_flight_cache_full_mean"], st["in_flight_cache_full_p50"], st["cache_full_steps"] = \
         _mean_p50(rt.cache_full_hist)
     st["num_blocks"] = rt.lay.num_blocks if rt.lay is not None else None
+    st["kv_bytes"] = kv_bytes(rt.lay) if rt.lay is not None else None
     st["policy"], st["budget"], st["page"] = rt.policy.name, rt.budget, rt.spec.page
     return st
+
+
+def kv_bytes(lay) -> int:
+    """Bytes of K and V in the pages a request may hold (num_blocks x page tokens, every full-attention layer), to
+    compare caches at equal bytes (bench serve; llama.cpp's server reports its cells' bytes). transformers' own
+    allocation can be larger (spare blocks, its pool's granularity: version-dependent), so it is not counted."""
+    per_token = 0
+    for layer in lay.layers:
+        for t in lay.kv(layer):  # [slots, kv_heads, head_dim]
+            per_token += t.shape[-2] * t.shape[-1] * t.element_size()
+    return lay.num_blocks * lay.page_size * per_token
 
 
 def run_batch(model, spec: ServeSpec, prompts: list[list[int]], max_new_tokens: int, generation_config=None,
