@@ -20,7 +20,8 @@ long: tokens/s over each 1,000 tokens of a --gen-token generation (EOS ignored),
   other; the torch engine's epikv K = 512 is run the same way unless --no-torch.
 capture: the eval callback's cost alone (bare loop without / with the C / with the Python callback).
 interleaved: the same two llama.cpp generations in one process, alternating segment by segment (speeds only).
-All llama.cpp runs use --threads threads (default 1) and llama.cpp's default F16 cache and flash-attention choice.
+All llama.cpp runs use --threads threads (default 1) and llama.cpp's default F16 cache and flash-attention choice
+(--type-kv f32 and --flash-attn on|off change both for every llama.cpp configuration).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class _Llama:
         from epikv.llamacpp import LlamaDecoder
 
         self.dec = LlamaDecoder(gm, policy, budget, max_tokens=len(ids) + total, threads=ARGS.threads,
-                                capture=capture, n_batch=min(512, len(ids)))
+                                capture=capture, n_batch=min(512, len(ids)), flash_attn=_fa(),
+                                type_kv=ARGS.type_kv)
         self.logits = self.dec.prefill(ids)
 
     def run(self, n):
@@ -66,6 +68,7 @@ class _Raw:
     def __init__(self, gm, ids, total, hold=None, capture=None):
         from epikv.llamacpp import load
         from epikv.llamacpp.capture import BlockCapture
+        from epikv.llamacpp.engine import KV_TYPES
 
         ll = self.ll = load().ll
         cp = ll.llama_context_default_params()
@@ -78,6 +81,11 @@ class _Raw:
         cp.n_batch = cp.n_ubatch = nb
         cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = ARGS.threads
+        fa = _fa()
+        cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
+                              ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        if ARGS.type_kv == "f32":
+            cp.type_k = cp.type_v = KV_TYPES["f32"]
         self.ctx = ll.llama_init_from_model(gm.ptr, cp)
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(nb, 0, 1)
@@ -102,6 +110,11 @@ class _Raw:
     def run(self, n):
         for _ in range(n):
             self.logits = self._decode([int(np.argmax(self.logits))])
+
+
+def _fa():
+    """--flash-attn as LlamaDecoder takes it: None (llama.cpp's choice), True or False."""
+    return {"auto": None, "on": True, "off": False}[ARGS.flash_attn]
 
 
 class _Torch:
@@ -280,6 +293,9 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--engine", default="llama.cpp")
     ap.add_argument("--policy", default="epikv")
+    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                    help="llama.cpp's flash attention in every llama.cpp configuration (default: llama.cpp's choice)")
+    ap.add_argument("--type-kv", choices=["f16", "f32"], default="f16", help="llama.cpp's K and V cache type")
     ap.add_argument("--out", default=None)
     ARGS = args = ap.parse_args()
     if args.gen is None:
@@ -292,7 +308,8 @@ def main():
 
     res.update(command="PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py " + " ".join(sys.argv[1:]),
                llama_cpp_python=llama_cpp.__version__, machine=platform.processor() or platform.machine(),
-               cpus=len(os.sched_getaffinity(0)), load_average=os.getloadavg(), wall_s=round(time.time() - t0, 1))
+               cpus=len(os.sched_getaffinity(0)), load_average=os.getloadavg(), wall_s=round(time.time() - t0, 1),
+               flash_attn=args.flash_attn, type_kv=args.type_kv)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

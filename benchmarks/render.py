@@ -177,42 +177,91 @@ def _serve_rows(rel: str) -> list[dict]:
     return [r for r in load_jsonl(rel) if r.get("kind") == "serve"]
 
 
-def serve_engines() -> str:
-    files = ["serve/engines/llama.cpp/results.jsonl", "serve/engines/torch/results.jsonl"]
-    cols = []
-    for f in files:
-        rows = sorted(_serve_rows(f), key=lambda r: (r["budget"] is not None, r["budget"] or 0))
-        cols += rows
-    head = ["32 requests x %d tokens at once" % cols[0]["max_tokens"]] + [
-        f"{r['engine']} {'full' if r['budget'] is None else 'K=%d' % r['budget']}" for r in cols]
+def _window(rows: list[dict]) -> int:
+    """The whole seconds every row covers: the shortest row's."""
+    return min(int(r["wall_s"]) for r in rows)
 
-    def in_flight(r):
-        if not r["cache_full_steps"]:
-            return f"never full: {r['max_in_flight']}"
-        return f"{r['in_flight_cache_full_mean']:.2f}"
 
-    def done(r):
-        return f"{r['completed']} of {r['requests']}"
+def _in_window(r: dict, win: int) -> float:
+    return sum(r["tokens_by_second"][:win]) / win
 
-    def kv(r):
-        return f"{r['peak_cells']} / {r['cells']} cells" if r["engine"] == "llama.cpp" else \
-            f"{r['peak_pages']} / {r['num_blocks']} pages"
 
-    def lat(r):
-        return "-" if not r["completed"] else f"{r['latency_p50_s']:.1f} / {r['latency_p95_s']:.1f}"
+def _pct(r: dict, key: str, lb: str) -> str:
+    """A percentile, marked >= when a request cut by the row's timeout lies at or below it (a lower bound)."""
+    v = r.get(key)
+    return "-" if v is None else (">= " if (r.get("lower_bound") or {}).get(lb) else "") + f"{v:.1f}"
 
-    def ttft(r):
-        return "-" if r.get("ttft_p50_s") is None or not r["completed"] else f"{r['ttft_p50_s']:.1f}"
 
-    body = [["requests in flight while the cache was full"] + [in_flight(r) for r in cols],
-            ["aggregate tokens/s"] + [f2(r["tokens_per_s"]) for r in cols],
-            ["completed"] + [done(r) for r in cols],
-            ["latency p50 / p95 (s)"] + [lat(r) for r in cols],
-            ["time to first token p50 (s)"] + [ttft(r) for r in cols],
-            ["preemptions"] + [str(r["preemptions"]) for r in cols],
-            ["peak KV in use"] + [kv(r) for r in cols],
-            ["wall time of the row (s)"] + [f1(r["wall_s"]) for r in cols]]
-    return table(head, body) + "\n\n" + source_line(files, "bash benchmarks/results/serve/engines/run.sh")
+def _mib(b) -> str:
+    return "-" if not b else f"{b / 2**20:.0f} MiB"
+
+
+STREAMS = {"streams": "serve/engines-streams/streams/results.jsonl",
+           "unified": "serve/engines-streams/unified/results.jsonl",
+           "torch": "serve/engines-streams/torch/results.jsonl"}
+
+
+def _streams_rows() -> dict[str, dict]:
+    return {k: _serve_rows(f)[-1] for k, f in STREAMS.items()}
+
+
+def serve_streams() -> str:
+    """Issue 40's engines load at equal KV bytes: llama.cpp with a stream per sequence, llama.cpp with one unified
+    cache, and the torch server; tokens/s over the window every row covers."""
+    rows = _streams_rows()
+    win = _window(list(rows.values()))
+    st, un, to = rows["streams"], rows["unified"], rows["torch"]
+    head = [f"{st['requests']} x {st['max_tokens']:,} tokens, epikv K = {st['budget']}",
+            "llama.cpp, a stream per sequence", "llama.cpp, one unified cache", "torch server"]
+    n = st["settings"]["sequences"]
+    cache = [f"{st['cells']:,} cells: {n} streams of {st['cells'] // n:,}",
+             f"{un['cells']:,} cells, shared", f"{to['num_blocks']} pages of {to['settings']['page']} tokens"]
+    body = [["KV cache", *cache],
+            ["KV bytes (K and V)", _mib(st["kv_bytes"]), _mib(un["kv_bytes"]), _mib(to["kv_bytes"])],
+            [f"tokens/s over the first {win} s (every row)", *(f2(_in_window(r, win)) for r in (st, un, to))],
+            ["tokens/s over the whole row", *(f2(r["tokens_per_s"]) for r in (st, un, to))],
+            ["completed (of %d)" % st["requests"], *(str(r["completed"]) for r in (st, un, to))],
+            ["requests in flight: max / mean", *(f"{r['max_in_flight']} / {f1(r['in_flight_mean'])}"
+                                                 for r in (st, un, to))],
+            ["latency p50 / p95 (s)", *(f"{_pct(r, 'latency_p50_s', 'latency_p50')} / "
+                                        f"{_pct(r, 'latency_p95_s', 'latency_p95')}" for r in (st, un, to))],
+            ["time to first token p50 (s)", *(_pct(r, "ttft_p50_s", "ttft_p50") for r in (st, un, to))],
+            ["preemptions", *(str(r["preemptions"]) for r in (st, un, to))],
+            ["row (s)", *(f"{f1(r['wall_s'])}" + (" (cut)" if r["unfinished"] else " (whole)")
+                          for r in (st, un, to))]]
+    w = {k: _in_window(r, win) for k, r in rows.items()}
+    note = (f"\n\nOver the first {win} s: streams {w['streams'] / w['torch']:.2f}x the torch server's tokens/s and "
+            f"{w['streams'] / w['unified']:.2f}x the unified cache's. A percentile marked >= is a lower bound (a "
+            "request cut by the row's timeout counts with its time so far).")
+    return table(head, body) + note + "\n\n" + source_line(list(STREAMS.values()),
+                                                            "bash benchmarks/results/serve/engines-streams/run.sh")
+
+
+LLAMA_SERVER = ["serve/llama-server/r8x1024/results.jsonl", "serve/llama-server/r8x3072/results.jsonl"]
+
+
+def serve_llama_server() -> str:
+    """llama.cpp's own llama-server beside epikv serve --engine llama.cpp, the same GGUF, threads and client."""
+    out = []
+    for f in LLAMA_SERVER:
+        rows = _serve_rows(f)
+        win = _window(rows)
+
+        def cells(r):
+            if r["engine"] == "external":
+                return "10,240 (8 slots of 1,280)"
+            return f"{r['cells']:,}" + (f" (8 streams of {r['cells'] // 8:,})" if r.get("kv") == "streams" else
+                                        " (unified)")
+
+        body = [[r["label"], cells(r), f"{r['completed']} of {r['requests']}",
+                 f"{r['generated_tokens'] / r['requests']:,.0f}", f2(r["tokens_per_s"]), f2(_in_window(r, win)),
+                 f"{_pct(r, 'latency_p50_s', 'latency_p50')} / {_pct(r, 'latency_p95_s', 'latency_p95')}",
+                 _pct(r, "ttft_p50_s", "ttft_p50"), f1(r["wall_s"])] for r in rows]
+        head = [f"{rows[0]['requests']} x {rows[0]['max_tokens']:,} tokens asked", "KV cells", "completed",
+                "tokens a request got", "tokens/s", f"tokens/s, first {win} s", "latency p50 / p95 (s)",
+                "TTFT p50 (s)", "row (s)"]
+        out.append(table(head, body))
+    return "\n\n".join(out) + "\n\n" + source_line(LLAMA_SERVER, "bash benchmarks/results/serve/llama-server/run.sh")
 
 
 def _serve_table(rel: str, command: str, what: str) -> str:
@@ -457,12 +506,60 @@ def retention_vs_random() -> str:
             "schedule.\n\n" + source_line(files, "bash benchmarks/results/retention-full/run.sh A; ... C; ... D"))
 
 
+# llama.cpp's retention runs and the torch rows they repeat: (llama.cpp store, torch store, tau, policies)
+LLAMACPP_RETENTION = [("llamacpp/retention", "retention-full/tau16", 16, ["random", "streaming"]),
+                      ("llamacpp/retention-seg", "retention-full/tau128", 128, ["epikv-seg-q", "epikv-seg", "epikv"])]
+
+
+def _retention_by(rel: str, budget: int) -> dict[tuple[str, str], dict]:
+    """(policy, trace) -> record at this budget (full: its reference), default settings only."""
+    return {(r["policy"], r["trace_id"]): r for r in load_jsonl(rel)
+            if r.get("kind") == "retention" and r["budget"] in (None, budget) and not r.get("settings")}
+
+
+def llamacpp_retention(budget: int = 1024) -> str:
+    """Each policy's whole-trace retention through llama.cpp beside the torch engine's on the same traces (each engine
+    against its own full cache): mean answer-NLL increase, top-1 agreement, answer KL; and the order of the policies
+    by answer-NLL increase in each engine."""
+    rows, means, files = [], {}, []
+    for lrel, trel, tau, pols in LLAMACPP_RETENTION:
+        lf, tf = f"{lrel}/results.jsonl", f"{trel}/results.jsonl"
+        files += [lf, tf]
+        lc, tc = _retention_by(lf, budget), _retention_by(tf, budget)
+        for p in pols:
+            pairs = [(lc[k], tc[k]) for k in sorted(lc) if k[0] == p and k in tc]
+            if not pairs:
+                continue
+            m = {k: (statistics.fmean(x[k] for x, _ in pairs), statistics.fmean(y[k] for _, y in pairs))
+                 for k in ("answer_nll_increase", "answer_top1_agreement", "answer_kl")}
+            name = p if tau == 16 or p != "epikv" else f"epikv@tau={tau}"
+            means[name] = m["answer_nll_increase"]
+            nll, top1, kl = m["answer_nll_increase"], m["answer_top1_agreement"], m["answer_kl"]
+            rows.append([name, tau, len(pairs), f"{nll[0]:+.3f}", f"{nll[1]:+.3f}", f"{nll[0] - nll[1]:+.3f}",
+                         f"{100 * top1[0]:.1f} %", f"{100 * top1[1]:.1f} %", f"{kl[0]:.3f}", f"{kl[1]:.3f}"])
+    head = ["policy", "tau", "traces", "answer-NLL increase, llama.cpp", "torch", "difference", "top-1, llama.cpp",
+            "torch", "answer KL, llama.cpp", "torch"]
+    ev = [p for p in means if p != "full"]
+    order_l = sorted(ev, key=lambda p: means[p][0])
+    order_t = sorted(ev, key=lambda p: means[p][1])
+    worst = max(abs(means[p][0] - means[p][1]) for p in means)
+    return (table(head, rows) + f"\n\nK = {budget}, paired by trace, each engine against its own full cache. "
+            f"Order by answer-NLL increase: llama.cpp {', '.join(order_l)}; torch {', '.join(order_t)} "
+            f"({'the same' if order_l == order_t else 'different'}); the largest difference between the engines is "
+            f"{worst:.3f} nats/token.\n\n"
+            + source_line(files, "bash benchmarks/results/llamacpp/retention/run.sh; "
+                                 "bash benchmarks/results/llamacpp/retention-seg/run.sh (the torch rows: "
+                                 "benchmarks/results/retention-full/run.sh A, C)"))
+
+
 def headline() -> str:
     """The README's few headline figures, each from its raw file, each linking to its page."""
     inter = load_json("llamacpp/interleaved.json")
     step = load_json("llamacpp/step.json")
-    eng = {(r["engine"], r["budget"]): r for f in ("serve/engines/llama.cpp/results.jsonl",)
-           for r in _serve_rows(f)}
+    srv = _streams_rows()
+    ls, ls3 = ({r["label"]: r for r in _serve_rows(f)} for f in LLAMA_SERVER)
+    win = _window(list(srv.values()))
+    w = {k: _in_window(r, win) for k, r in srv.items()}
     _, cells = _retention_records()
     long8k = load_json("bench/long_smollm2_8192_cpu.json")
 
@@ -470,7 +567,6 @@ def headline() -> str:
     ep_v = next(v for k, v in seg.items() if k.startswith("epikv"))
     pl_v = next(v for k, v in seg.items() if not k.startswith("epikv"))
     held = next(r for r in step["rows"] if r["config"].startswith("epikv llama.cpp (C"))
-    full, k512 = eng[("llama.cpp", None)], eng[("llama.cpp", 512)]
 
     def paired(p, k=1024):
         mine, ref = cells[(p, k)], cells[("random", k)]
@@ -489,11 +585,18 @@ def headline() -> str:
         ["llama.cpp, cost of an evicting step (K = %d)" % step["budget"],
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
-        ["`epikv serve --engine llama.cpp`, 32 x %d tokens in one cache" % full["max_tokens"],
-         f"{k512['in_flight_cache_full_mean']:.2f} requests in flight at K = 512 against "
-         f"{full['in_flight_cache_full_mean']:.2f}"
-         f" for the whole cache ({k512['in_flight_cache_full_mean'] / full['in_flight_cache_full_mean']:.2f}x)",
+        [f"`epikv serve --engine llama.cpp`, {srv['streams']['requests']} x {srv['streams']['max_tokens']:,} tokens, "
+         f"K = {srv['streams']['budget']}, a KV stream per sequence (2 threads)",
+         f"{w['streams']:.1f} tok/s over the first {win} s: {w['streams'] / w['torch']:.2f}x the torch server and "
+         f"{w['streams'] / w['unified']:.2f}x llama.cpp's unified cache, at equal KV bytes",
          "[serving](docs/serve.md#both-engines-one-load)"],
+        ["`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, 8 requests at once (2 threads)",
+         f"8 x 1,024 tokens: llama-server {ls['llama-server']['tokens_per_s']:.1f} tok/s, epikv `full` "
+         f"{ls['full']['tokens_per_s']:.1f}, epikv K = 256 on a quarter of the cells "
+         f"{ls['epikv K=256']['tokens_per_s']:.1f}; 8 x 3,072 on 1,280 cells a sequence: llama-server stops each "
+         f"request at {ls3['llama-server']['generated_tokens'] / ls3['llama-server']['requests']:,.0f} tokens, "
+         f"epikv K = 1024 generates all {ls3['epikv K=1024']['max_tokens']:,}",
+         "[serving](docs/serve.md#llamacpps-own-server)"],
         ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
          f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache",
@@ -502,7 +605,7 @@ def headline() -> str:
          f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
-    files = ["llamacpp/interleaved.json", "llamacpp/step.json", "serve/engines/llama.cpp/results.jsonl",
+    files = ["llamacpp/interleaved.json", "llamacpp/step.json", *STREAMS.values(), *LLAMA_SERVER,
              "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})
@@ -614,7 +717,9 @@ RENDERERS = {
     "llamacpp-capture": llamacpp_capture,
     "llamacpp-long": llamacpp_long,
     "llamacpp-interleaved": llamacpp_interleaved,
-    "serve-engines": serve_engines,
+    "serve-streams": serve_streams,
+    "llamacpp-retention": llamacpp_retention,
+    "serve-llama-server": serve_llama_server,
     "soak": soak,
     "serve-h200": serve_h200,
     "serve-sampled": serve_sampled,
