@@ -11,6 +11,9 @@
 #      (2,560: unified, as 8 streams would be rounded up to 512 cells each by llama.cpp).
 #   B. 8 x 3,072 tokens on the same 10,240 cells: llama-server (a request outgrows its 1,280-cell slot: what it
 #      does is in the row and its log) and epikv K = 1,024 on 8 streams of 1,280 cells (the same cells a slot).
+#   C. 8 x 1,024 again with epikv on streams as llama-server's slots are: `full` on 8 streams of 1,280 cells (the
+#      10,240 cells: every request fits its stream) and K = 256 on 8 streams of 512 (4,096 cells: llama.cpp's
+#      smallest stream for K + a 256-token chunk), with llama-server run again beside them.
 # Rows run whole, one server at a time. Resumable: finished rows in each results.jsonl are reused.
 #   LLAMA_SERVER=path/to/llama-server bash benchmarks/results/serve/llama-server/run.sh
 set -euo pipefail
@@ -52,3 +55,9 @@ llama_server_row 1024 $R/r8x1024
 llama_server_row 3072 $R/r8x3072
 "$PY" -m epikv.cli bench serve "${common[@]}" --max-tokens 3072 --engine llama.cpp --sequences 8 --kv streams \
   --ctx 10240 --policies epikv --budgets 1024 --out $R/r8x3072
+# C: 8 x 1,024, epikv on streams
+llama_server_row 1024 $R/r8x1024-streams
+"$PY" -m epikv.cli bench serve "${common[@]}" --max-tokens 1024 --engine llama.cpp --sequences 8 --kv streams \
+  --ctx 10240 --policies full --out $R/r8x1024-streams
+"$PY" -m epikv.cli bench serve "${common[@]}" --max-tokens 1024 --engine llama.cpp --sequences 8 --kv streams \
+  --ctx 4096 --policies epikv --budgets 256 --out $R/r8x1024-streams
