@@ -411,3 +411,19 @@ def test_a_cancelled_request_leaves_no_cell_in_llama_cpp(gm, request):
     assert got["a"] < 200 and "a" not in ended and be.stats()["cancelled"] == 1
     assert after and all(n == 0 for n in after), after
     assert be.stats()["idle_checks"] >= 1 and be.stats()["cells_held_when_idle"] == 0
+
+
+def test_full_on_streams_refuses_a_request_beyond_its_stream(gm, request):
+    """`full` may ask for a stream per sequence (as llama-server's slots): a request must then fit its stream,
+    --ctx / --sequences cells (rounded up to 256 by llama.cpp), not the whole cache."""
+    from epikv.serving.llamacpp import LlamaBackend
+
+    be = LlamaBackend(gm, "full", None, ctx=512, sequences=2, threads=1, kv="streams")
+    request.addfinalizer(be.stop)
+    assert be.streams and be.stream_cells == 256
+    with pytest.raises(RuntimeError, match=r"exceeds the 256 cells of a sequence's stream"):
+        be.submit("big", list(range(100, 200)), 200, sampling=None, seed=0, ignore_eos=True)  # 300 > 256 < 512
+    be.submit("ok", list(range(100, 110)), 3, sampling=None, seed=0, ignore_eos=True)
+    while not (o := be.next_output(60)).finished:
+        pass
+    assert o.request_id == "ok" and o.error is None and len(o.tokens) == 3
