@@ -546,10 +546,13 @@ def llamacpp_retention(budget: int = 1024) -> str:
     order_l = sorted(ev, key=lambda p: means[p][0])
     order_t = sorted(ev, key=lambda p: means[p][1])
     worst = max(abs(means[p][0] - means[p][1]) for p in means)
+    partial = len({r[2] for r in rows}) > 1
     return (table(head, rows) + f"\n\nK = {budget}, paired by trace, each engine against its own full cache. "
             f"Order by answer-NLL increase: llama.cpp {', '.join(order_l)}; torch {', '.join(order_t)} "
             f"({'the same' if order_l == order_t else 'different'}); the largest difference between the engines is "
-            f"{worst:.3f} nats/token.\n\n"
+            f"{worst:.3f} nats/token."
+            + (" The rows cover different numbers of traces (a run not finished): the order across them compares "
+               "the engines, not the policies." if partial else "") + "\n\n"
             + source_line(files, "bash benchmarks/results/llamacpp/retention/run.sh; "
                                  "bash benchmarks/results/llamacpp/retention-seg/run.sh (the torch rows: "
                                  "benchmarks/results/retention-full/run.sh A, C)"))
