@@ -598,7 +598,8 @@ def headline() -> str:
          "[serving](docs/serve.md#both-engines-one-load)"],
         ["`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, 8 requests at once (2 threads)",
          f"8 x 1,024 tokens: llama-server {ls['llama-server']['tokens_per_s']:.1f} tok/s; epikv on streams: `full` "
-         f"{ls['full']['tokens_per_s']:.1f}, K = 256 on 40 % of the cells "
+         f"{ls['full']['tokens_per_s']:.1f}, K = 256 on "
+         f"{100 * ls['epikv K=256']['cells'] / ls['full']['cells']:.0f} % of the cells "
          f"{ls['epikv K=256']['tokens_per_s']:.1f}; 8 x 3,072 on 1,280 cells a sequence: llama-server stops each "
          f"request at {ls3['llama-server']['generated_tokens'] / ls3['llama-server']['requests']:,.0f} tokens, "
          f"epikv K = 1024 generates all {ls3['epikv K=1024']['max_tokens']:,}",

@@ -161,10 +161,10 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, ignore
         ids = (c.model_extra or {}).get("token_ids")
         if ids:
             got(len(ids))
-        elif isinstance(more.get("timings"), dict) and more["timings"].get("predicted_n") is not None:
+        elif external and isinstance(more.get("timings"), dict) and more["timings"].get("predicted_n") is not None:
             got(int(more["timings"]["predicted_n"]) - n)  # cumulative
-        elif c.delta is not None and c.delta.content:
-            got(1)
+        elif external and c.delta is not None and c.delta.content:
+            got(1)  # epikv serve's tokens are its token_ids only (a text chunk without them carries none)
         finish = c.finish_reason or finish
     return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": n, "finish": finish}
 
@@ -358,8 +358,7 @@ def run_row(row: Row, server_argv: list[str], prompts: list[list[dict]], concurr
         model = model_name or get_json(url + "/v1/models")["data"][0]["id"]
         # a server without epikv's /stats (llama.cpp's llama-server) is loaded as an external one: no engine
         # counts, tokens from its timings and usage (see _one)
-        stats0 = server_stats(url)
-        external = stats0 is None
+        external = server_stats(url) is None
         n = [0]
 
         def done(i, rec):
