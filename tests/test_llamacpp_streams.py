@@ -75,9 +75,14 @@ def test_streams_are_the_default_for_evicting_policies_and_ctx_is_derived(gm, re
     assert be.streams and be.stats()["kv"] == "streams"
     # each stream holds K + tau - 1 + a prompt chunk, rounded up by llama.cpp to a multiple of 256, all used
     assert be.stream_cells == int(ll.llama_n_ctx_seq(be.ctx)) >= 64 + 8 - 1 + 64 and be.stream_cells % 256 == 0
-    assert be.cells == 3 * be.stream_cells == int(ll.llama_n_ctx(be.ctx)) and be.gauges()["cells_free"] == be.cells
+    assert be.cells == 3 * be.stream_cells == int(ll.llama_n_ctx(be.ctx))
+    # the free cells against llama.cpp's own count of the cells each stream holds (none yet)
+    held = [be.cell_counter(s) for s in range(3)]
+    assert be.gauges()["cells_free"] == int(ll.llama_n_ctx(be.ctx)) - sum(held) and held == [0, 0, 0]
     full = _backend(gm, request, policy="full", budget=None, ctx=512, sequences=2)
-    assert not full.streams and full.cells == 512
+    # unified: one stream of every cell the context has, as llama.cpp sizes it
+    assert not full.streams and full.cells == full.stream_cells == int(ll.llama_n_ctx(full.ctx)) == 512
+    assert int(ll.llama_n_ctx_seq(full.ctx)) == 512
     for kw, needle in [(dict(ctx=3 * 70, sequences=3), "--ctx 210 gives each of the 3 streams 70 cells"),
                        (dict(sequences=2, kv="paged"), "--kv must be one of streams, unified"),
                        (dict(policy="full", budget=None, sequences=2), "needs --ctx")]:
@@ -95,11 +100,10 @@ def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, requ
     from epikv.serving.llamacpp import LlamaBackend
     from epikv.llamacpp.sequence import SequenceCache
 
-    log: dict[int, list] = {}
     record = SequenceCache.record
 
-    def logged(self, t, rows):
-        log.setdefault(id(self), []).append({b: r.copy() for b, r in rows.items()})
+    def logged(self, t, rows):  # the log lives on the sequence object (an id() is reused once an object is freed)
+        self.__dict__.setdefault("_test_log", []).append({b: r.copy() for b, r in rows.items()})
         record(self, t, rows)
 
     calls = []
@@ -118,7 +122,7 @@ def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, requ
     seq_of, counts = {}, []
 
     def on_step(b):
-        seq_of.update({r.rid: id(r.seq) for r in b._running})
+        seq_of.update({r.rid: r.seq for r in b._running})
         # the cells gauge (the mirrors) against llama.cpp's own count of each stream, calibrated on stream 0
         counts.append((b.gauges()["cells_in_use"], b.llama_cells()))
 
@@ -140,7 +144,7 @@ def test_each_decode_is_one_micro_batch_and_rows_map_to_their_sequences(gm, requ
         for t in toks[:-1]:
             dec.step(t)
         dec.close()
-        mine, ref = log[seq_of[str(k)]], log[id(dec)]
+        mine, ref = seq_of[str(k)]._test_log, dec._test_log
         assert [len(next(iter(x.values()))) for x in mine] == [len(next(iter(x.values()))) for x in ref]
         for b in mine[0]:
             a, r = np.concatenate([x[b] for x in mine]), np.concatenate([x[b] for x in ref])
@@ -169,3 +173,55 @@ def test_a_request_among_others_gives_what_it_gives_alone_and_what_generate_give
                            sampling=sampling, seed=k, **KW)
             assert together[str(k)][:len(ref.token_ids[0])] == ref.token_ids[0], (k, sampling)
     assert be.stats()["evictions"] > 0
+
+
+
+
+def test_stats_while_requests_end_never_fails(gm, request, monkeypatch):
+    """A scrape (/stats, any thread) while the engine thread ends requests: stats() reads only what the engine thread
+    published after its last step, never a sequence, which `_end` may be clearing at that moment (r.seq set to None,
+    the key/value mirror dropped: a review saw 1 failed scrape in 1.16 million). A thread calls stats() in a loop
+    while rounds of short Seg-Q requests (a key mirror each) start and end; every method of a sequence records the
+    thread that calls it. No scrape fails, and no sequence is ever touched off the engine thread: the rule that
+    rules the race out, checked at every scrape rather than left to the timing of one."""
+    import threading
+
+    from epikv.llamacpp.sequence import SequenceCache
+
+    be = _backend(gm, request, policy="epikv-seg-q", budget=64, tau=8, sequences=4, max_batch_tokens=64)
+    prompts = _prompts(gm, 8)
+    errors, calls, mirrors, strangers = [], [0], set(), set()
+
+    def confined(fn):
+        def wrapper(*a, **k):
+            if threading.current_thread() is not be._thread:
+                strangers.add(f"{fn.__name__} from {threading.current_thread().name}")
+            return fn(*a, **k)
+        return wrapper
+
+    for name, fn in list(vars(SequenceCache).items()):
+        if callable(fn) and not name.startswith("__"):
+            monkeypatch.setattr(SequenceCache, name, confined(fn))
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                mirrors.add(be.stats()["kv_mirror_bytes"] > 0)
+                be.gauges()
+            except Exception as e:  # noqa: BLE001 - any failure of a scrape is the defect
+                errors.append(repr(e))
+            calls[0] += 1
+
+    t = threading.Thread(target=scrape, name="scraper")
+    t.start()
+    try:
+        for _ in range(3):
+            _run(be, prompts, max_tokens=[2] * len(prompts))
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, f"{len(errors)} of {calls[0]} scrapes failed: {errors[:3]}"
+    assert not strangers, f"a sequence was read off the engine thread: {sorted(strangers)}"
+    assert True in mirrors  # the scrapes saw the mirrors while requests ran
+    assert be.stats()["kv_mirror_bytes"] == 0

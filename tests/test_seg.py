@@ -484,13 +484,14 @@ def test_seg_q_add_mode_adds_the_weighted_relevance_z_score():
     pos = torch.arange(n)[None]
     view = _view(n, 8, 2, n_protect=3, keys=keys, values=keys, token_data={"score": score, "pos": pos},
                  queries=queries, query_valid=torch.ones(1, 8, dtype=torch.bool))
-    got = pol.ranking(None, view)
+    got = pol.ranking(pol.init_state(1, n_layers, torch.device("cpu")), view)  # the state holds the query layer
     decode = torch.arange(n)[None] >= 3
     rel = query_relevance(queries[qa], keys[qa], view.query_valid, pos, view.n_pad)
     want = zscore_over(score, decode) + 0.5 * zscore_over(rel, decode)
     torch.testing.assert_close(got, want, equal_nan=True)
-    torch.testing.assert_close(get_policy("epikv-seg-q").ranking(None, view), zscore_over(rel, decode),
-                               equal_nan=True)  # replace: the relevance alone
+    rep = get_policy("epikv-seg-q")
+    torch.testing.assert_close(rep.ranking(rep.init_state(1, n_layers, torch.device("cpu")), view),
+                               zscore_over(rel, decode), equal_nan=True)  # replace: the relevance alone
 
 
 def _rotated_queries(model, ids, a, w):

@@ -3,12 +3,9 @@ time to src/, runs its test, restores the file; prints each mutant with pytest's
 
     .venv/bin/python benchmarks/mutants/llamacpp_review.py [NAME ...]
 """
-import os
-import pathlib
-import subprocess
 import sys
 
-root = pathlib.Path(__file__).resolve().parents[2]
+from _apply import run  # benchmarks/mutants/ is on sys.path when this script runs
 M = [
  ("tok-no-check", "src/epikv/llamacpp/model.py", "        self._model.ptr  # raises once the model is closed: the vocab pointer is freed with it\n", "", "test_tokenizer_outlives"),
  ("kv-old-formula", "src/epikv/llamacpp/model.py", '    k = (_ints(meta("attention.key_length")) or [default])[0]', '    k = default', "test_kv_bytes_per_cell"),
@@ -22,17 +19,5 @@ M = [
  ("no-submit-guard", "src/epikv/serving/llamacpp.py", "        if why:  # refused here, not queued", "        if False:  # refused here, not queued", "test_a_full_request_beyond"),
  ("drop-no-rm", "src/epikv/llamacpp/sequence.py", "        self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)\n        self.token_data, self._rows", "        self.token_data, self._rows", "test_a_request_that_fails or test_a_cancelled"),
 ]
-only = sys.argv[1:]
-for name, f, a, b, k in M:
-    if only and name not in only: continue
-    p = root / f
-    s = p.read_text()
-    assert a in s, name
-    p.write_text(s.replace(a, b, 1))
-    try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "tests/test_llamacpp_review.py", "-k", k],
-                           cwd=root, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
-        last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-200:]
-        print(f"{name}: rc={r.returncode} {last}", flush=True)
-    finally:
-        p.write_text(s)
+T = "tests/test_llamacpp_review.py"
+run([(name, f, a, b, T, k) for name, f, a, b, k in M], sys.argv[1:])

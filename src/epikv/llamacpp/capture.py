@@ -16,13 +16,16 @@ the ask is a prefix test.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -132,6 +135,32 @@ def build_c(force: bool = False) -> Path | None:
         return None
     os.replace(tmp, out)
     return out
+
+
+@contextlib.contextmanager
+def interrupts_held(active: bool = True):
+    """Hold SIGINT (Ctrl-C) while llama.cpp may call the Python capture callback, and deliver it once the body is
+    done. Python runs a signal handler at the next bytecode of the main thread, which during llama_decode is the
+    entry of a callback, before its `try`: the KeyboardInterrupt would escape into ctypes (which prints it and answers
+    false), ggml would stop the graph half-way or skip a node, and the interrupt would be lost. Here the handler only
+    notes the signal; the previous handler gets it after the body (default: KeyboardInterrupt, raised once). A no-op
+    off the main thread (the server's engine thread), where Python never runs signal handlers, and when not active
+    (the C callback runs no Python)."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):  # signal.default_int_handler raises KeyboardInterrupt
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+            # SIG_IGN (or a handler set outside Python): ignored, as it would have been
 
 
 class BlockCapture:
@@ -247,14 +276,23 @@ class BlockCapture:
         for i in range(self.struct.n):
             self.struct.got[i] = 0
 
-    def rows(self, n_tokens: int) -> dict[int, np.ndarray]:
-        """block -> [n_tokens, n_embd] float32 of the last forward (views of the buffers: copy to keep); EpiKVError
-        when a block was not seen (its builder names no `l_out`), was not float32, or did not hold one row a token."""
-        if self.error is not None:  # raised inside the callback: the forward's outputs cannot be trusted
+    def held(self):
+        """interrupts_held for this capture: active only for the Python callback. Wrap the decode and the reading
+        of its rows, so an interrupt leaves the sequence as after a whole step."""
+        return interrupts_held(self.method == "python")
+
+    def _raise_error(self) -> None:
+        """An exception kept by the Python callback: the forward's outputs cannot be trusted."""
+        if self.error is not None:
             e, self.error = self.error, None
             if not isinstance(e, Exception):
                 raise e
             raise EpiKVError(f"the capture callback failed during llama_decode: {type(e).__name__}: {e}") from e
+
+    def rows(self, n_tokens: int) -> dict[int, np.ndarray]:
+        """block -> [n_tokens, n_embd] float32 of the last forward (views of the buffers: copy to keep); EpiKVError
+        when a block was not seen (its builder names no `l_out`), was not float32, or did not hold one row a token."""
+        self._raise_error()
         out = {}
         want = n_tokens * self.n_embd * 4
         for i, b in enumerate(self.blocks):
@@ -275,6 +313,7 @@ class BlockCapture:
         in transformers' order (views of the buffers, or copies when reordered: copy to keep); EpiKVError when a node
         was not seen with its op (a builder that names no rotated Qcur / Kcur or no Vcur), or was not float32
         [head_dim, heads, n_tokens] laid out contiguously."""
+        self._raise_error()
         lo, hi = len(self.blocks), len(self.blocks) + len(self.attn_nodes)
         want_ne = self._want_ne.copy()
         want_ne[:, 2] = n_tokens

@@ -17,6 +17,7 @@ the budget by removing the policy's evicted tokens with `llama_memory_seq_rm`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import SimpleNamespace
 from typing import Iterable, Sequence
@@ -173,15 +174,16 @@ def probe_context(gm: GGUFModel, ctx, cap: BlockCapture | None) -> CellCounter |
             b.n_tokens = 1
             b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = tok, pos, 1, 1
             b.seq_id[0][0] = 0
-            if cap is not None:
-                cap.reset()
-            rc = ll.llama_decode(ctx, b)
-            if rc != 0:
-                raise EpiKVError(f"llama.cpp's probe decode on {gm.name} failed with status {rc}")
-            if cap is not None:  # every node the policy reads is in this model's graph, of the expected shape
-                cap.rows(1)
-                if cap.attn_nodes:
-                    cap.attn_rows(1)
+            with cap.held() if cap is not None else contextlib.nullcontext():
+                if cap is not None:
+                    cap.reset()
+                rc = ll.llama_decode(ctx, b)
+                if rc != 0:
+                    raise EpiKVError(f"llama.cpp's probe decode on {gm.name} failed with status {rc}")
+                if cap is not None:  # every node the policy reads is in this model's graph, of the expected shape
+                    cap.rows(1)
+                    if cap.attn_nodes:
+                        cap.attn_rows(1)
             sizes.append(int(ll.llama_state_seq_get_size(ctx, 0)))
     finally:
         ll.llama_batch_free(b)
@@ -258,21 +260,23 @@ class LlamaDecoder(SequenceCache):
             b.n_seq_id[j] = 1
             b.seq_id[j][0] = self.seq
             b.logits[j] = 1 if (all_logits or self.all_outputs or j == t - 1) else 0
-        if self.capture is not None:
-            self.capture.reset()
-        rc = ll.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise EpiKVError(f"llama_decode failed with status {rc} at position {p0} "
-                             f"({'no free KV cell' if rc == 1 else 'see llama.cpp log'})")
-        if all_logits:  # every row is an output, in batch order
-            logits = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(t, self.n_vocab)).copy()
-        else:
-            out = ll.llama_get_logits_ith(self.ctx, t - 1)
-            logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
         cap = self.capture
-        if cap is not None and cap.attn_nodes:
-            self.attend(t, cap.attn_rows(t))
-        self.record(t, cap.rows(t) if cap is not None and cap.blocks else None)
+        # Ctrl-C during the decode reaches the caller after the step is recorded (capture.interrupts_held)
+        with cap.held() if cap is not None else contextlib.nullcontext():
+            if cap is not None:
+                cap.reset()
+            rc = ll.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise EpiKVError(f"llama_decode failed with status {rc} at position {p0} "
+                                 f"({'no free KV cell' if rc == 1 else 'see llama.cpp log'})")
+            if all_logits:  # every row is an output, in batch order
+                logits = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(t, self.n_vocab)).copy()
+            else:
+                out = ll.llama_get_logits_ith(self.ctx, t - 1)
+                logits = np.ctypeslib.as_array(out, shape=(self.n_vocab,)).copy()
+            if cap is not None and cap.attn_nodes:
+                self.attend(t, cap.attn_rows(t))
+            self.record(t, cap.rows(t) if cap is not None and cap.blocks else None)
         return logits
 
     # -- lifetime -----------------------------------------------------------------------------------------------------

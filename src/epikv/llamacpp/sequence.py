@@ -188,7 +188,8 @@ class SequenceCache:
 
     def mirror_bytes(self) -> int:
         """Bytes this sequence's key/value mirror holds (0 for a policy that reads no cached keys/values)."""
-        return 0 if self._kv is None else self._kv.numel() * self._kv.element_size()
+        kv = self._kv  # one read: drop() may clear it
+        return 0 if kv is None else kv.numel() * kv.element_size()
 
     def _query_view(self) -> tuple[list, torch.Tensor | None]:
         if not self._n_queries:

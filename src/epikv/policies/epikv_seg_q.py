@@ -86,12 +86,20 @@ class EpiKVSegQ(EpiKVSeg):
         return Observes(hidden_layers=hidden, keys_values=True, kv_parts="kv" if self.swap else "k",
                         queries=self.queries, query_layers=(self.query_layer(n_layers),))
 
+    def init_state(self, batch, n_layers, device):
+        state = super().init_state(batch, n_layers, device)
+        # resolved once, from the Depth the engine passes (it names the architecture, so the authors' published
+        # layers apply): the same block observes() declared, whose queries the engine captures. A count such as
+        # len(view.keys) carries no architecture and would fall back to the depth-scaled block
+        (state["_qa"],) = self.observes(n_layers).query_layers
+        return state
+
     def on_tokens(self, state, obs):
         return super().on_tokens(state, obs) if self.mode == "add" else {}
 
     def ranking(self, state, view: CacheView) -> torch.Tensor:
         dev = view.device
-        qa = self.query_layer(len(view.keys))
+        qa = state["_qa"]
         rel = query_relevance(view.queries[qa], view.keys[qa].to(dev), view.query_valid, view.token_data["pos"],
                               view.n_pad)
         decode = torch.arange(view.length, device=dev) >= (view.n_pad + view.n_protect)[:, None]

@@ -161,6 +161,7 @@ class LlamaBackend(Backend):
         self.cache_full_hist: dict[int, int] = {}
         self._hold = False  # set by a preemption, cleared when a request ends
         self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
+        self._mirror_bytes = 0  # bytes of the running sequences' key/value mirrors, after the last step (stats)
         # cells llama.cpp itself holds for any sequence id, counted by llama.cpp (not the mirrors) by the engine
         # thread each time it goes idle: 0 unless some ended request's cells were never removed
         self.llama_cells_idle = self.llama_cells()
@@ -246,7 +247,7 @@ class LlamaBackend(Backend):
                  cells_held_when_idle=self.llama_cells_idle, idle_checks=self.idle_checks,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
-                 kv_mirror_bytes=sum(r.seq.mirror_bytes() for r in list(self._running) if r.seq is not None),
+                 kv_mirror_bytes=self._mirror_bytes,
                  running=len(self._running), waiting=len(self._waiting))
         return c
 
@@ -330,6 +331,13 @@ class LlamaBackend(Backend):
     def _held(self) -> int:
         return sum(r.seq.stored() for r in self._running)
 
+    def _publish(self) -> None:
+        """The gauges a scrape reads from another thread, computed here by the engine thread, the only one that
+        changes the sequences: a scrape that read a sequence itself could find it half-ended (`_end` clears r.seq,
+        `drop` the mirror) and fail."""
+        self._in_use = self._held()
+        self._mirror_bytes = sum(r.seq.mirror_bytes() for r in self._running)
+
     def _admit(self) -> None:
         while self._waiting and self._free_ids and not self._hold:
             r = self._waiting[0]
@@ -374,7 +382,7 @@ class LlamaBackend(Backend):
         if not self._running and not self._waiting:  # idle now: what does llama.cpp itself still hold?
             self.llama_cells_idle = self.llama_cells()  # (before the gauge reads 0, so a reader of 0 sees it)
             self.idle_checks += 1
-        self._in_use = self._held()
+        self._publish()
 
     def _fail(self, r: _Req, why: str) -> None:
         self._end(r)
@@ -461,7 +469,7 @@ class LlamaBackend(Backend):
             self.cache_full_hist[holding] = self.cache_full_hist.get(holding, 0) + 1
         for plan in calls:
             self._decode(plan)
-        self._in_use = self._held()
+        self._publish()
 
     def _decode(self, plan: list[tuple[_Req, list[int]]]) -> None:
         """One llama_decode of the plan's rows in plan order; each sequence records its rows and samples."""
@@ -513,7 +521,7 @@ class LlamaBackend(Backend):
                 if not isinstance(e, EpiKVError):
                     log.exception("request %s failed in the llama.cpp engine", r.rid)
                 self._fail(r, str(e) if isinstance(e, EpiKVError) else f"{type(e).__name__}: {e}")
-        self._in_use = self._held()
+        self._publish()
 
     def _sample(self, r: _Req, logits: np.ndarray) -> None:
         step = len(r.generated)
