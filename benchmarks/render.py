@@ -709,6 +709,55 @@ def policies() -> str:
         "\n\nRendered by `python benchmarks/render.py` from `epikv policies --json` (the registry, no plugins)."
 
 
+def policy_matrix() -> str:
+    """Policy x entry point, from the registry and each engine's own refusal check (epikv.support), the default of
+    each entry point marked; refused cells point at the engine's message."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from epikv.policies import REGISTRY, default_policy, get_policy
+    from epikv.support import ENTRY_POINTS
+
+    notes: list[str] = []
+    rows = []
+    for name in REGISTRY:
+        pol = get_policy(name)
+        kernel = "no: eager attention" if pol.observes(32).attention_layers else "yes"
+        row = [f"`{name}`", kernel]
+        for e in ENTRY_POINTS:
+            why = e.refusal(pol)
+            if why is None:
+                row.append("**yes, default**" if e.has_default and default_policy(e.key) == name else "yes")
+                continue
+            why = re.sub(r" \((supported|served policies)[^)]*\)$", "", why.replace(f"policy {name} ", "the policy "))
+            why = re.sub(r"\s+\(.*?\)", "", why) if len(why) > 240 else why
+            if why not in notes:
+                notes.append(why)
+            row.append(f"no [{notes.index(why) + 1}]")
+        rows.append(row)
+    head = ["policy", "attention kernel untouched"] + [e.label for e in ENTRY_POINTS]
+    return (table(head, rows) + "\n\nRefused, in the engine's own words:\n\n"
+            + "\n".join(f"{i}. {_escape(n)}" for i, n in enumerate(notes, 1))
+            + "\n\nRendered by `python benchmarks/render.py` from the registry and the engines' refusal checks "
+              "(`epikv.support`); **default**: the policy the entry point runs when none is named "
+              "(`epikv.policies.default_policy`).")
+
+
+def serve_fields() -> str:
+    """The request fields `epikv serve` accepts, from the sets its parser checks against and their notes."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from epikv.serving import app
+
+    names = sorted(app._COMPLETION_FIELDS | app._CHAT_FIELDS, key=lambda n: (app.FIELD_NOTES.get(n, ("?",))[0] != "openai", n))
+    missing = [n for n in names if n not in app.FIELD_NOTES]
+    if missing:
+        raise RenderError(f"epikv.serving.app.FIELD_NOTES has no note for accepted field(s) {', '.join(missing)}")
+    rows = [[f"`{n}`", "yes" if n in app._COMPLETION_FIELDS else "-", "yes" if n in app._CHAT_FIELDS else "-",
+             app.FIELD_NOTES[n][0], _escape(app.FIELD_NOTES[n][1])] for n in names]
+    return (table(["field", "/v1/completions", "/v1/chat/completions", "kind", "here"], rows)
+            + "\n\nAny other field is refused: 400 with an OpenAI-style error naming it (a silently ignored option "
+              "would be a wrong answer). Rendered by `python benchmarks/render.py` from `epikv.serving.app`'s field "
+              "sets and `FIELD_NOTES`.")
+
+
 def _env() -> dict:
     import os
 
@@ -737,6 +786,8 @@ RENDERERS = {
     "bench-throughput": bench_throughput,
     "serve-equal-batch": serve_equal_batch,
     "policies": policies,
+    "policy-matrix": policy_matrix,
+    "serve-fields": serve_fields,
 }
 
 

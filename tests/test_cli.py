@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from epikv.cli import main
+from epikv.policies import DEFAULT_POLICY
 
 
 def run_cli(capsys, *argv):
@@ -37,21 +38,22 @@ def test_generate_json_on_embedded_model(capsys):
     for key in ("text", "prompt_tokens", "new_tokens", "max_cache_tokens", "final_cache_tokens", "evictions",
                 "seconds", "tokens_per_s", "policy", "budget", "tau", "model"):
         assert key in d
-    assert d["policy"] == "epikv" and d["budget"] == 64 and d["model"] == "smollm2"
+    assert d["policy"] == DEFAULT_POLICY and d["budget"] == 64 and d["model"] == "smollm2"
     assert d["text"].strip() and d["new_tokens"] > 0
     # the rates agree with the counts and times beside them (3 decimals of seconds)
     assert d["seconds"] == pytest.approx(d["prefill_seconds"] + d["decode_seconds"], abs=2e-3)
     assert d["tokens_per_s"] == pytest.approx(d["new_tokens"] / d["seconds"], rel=0.01)
     assert d["decode_tokens_per_s"] == pytest.approx(d["new_tokens"] / d["decode_seconds"], rel=0.01)
-    if d["prompt_tokens"] + d["new_tokens"] > 65:
-        assert d["evictions"] > 0 and d["max_cache_tokens"] <= 64
+    assert d["max_cache_tokens"] <= 64 + d["tau"] - 1  # the default's tau (128 for epikv-seg-q) between evictions
+    if d["prompt_tokens"] + d["new_tokens"] > 64 + d["tau"] - 1:
+        assert d["evictions"] > 0
 
 
 def test_generate_streams_text_and_summary(capsys):
     code, out, err = run_cli(capsys, "generate", "--model", "random:tiny", "--prompt", "Hello world", "--raw",
                              "--max-new-tokens", "12", "--budget", "8", "--tau", "2")
     assert code == 0 and out.strip()
-    assert "[epikv K=8 tau=2]" in err and "evictions" in err
+    assert f"[{DEFAULT_POLICY} K=8 tau=2]" in err and "evictions" in err
 
 
 def test_policies_json(capsys):
@@ -127,7 +129,7 @@ def no_decoder_model(tmp_path_factory):
     (["--set", "nope.window=1"], "unknown policy 'nope'"),
     (["--set", "epikv.window=abc"], "expects int, got"),
     (["--set", "epikv.tau=4"], "is --tau"),
-    (["--set", "epikv.layers=[1,2,3]"], "takes 2 layer blocks"),
+    (["--policy", "epikv", "--set", "epikv.layers=[1,2,3]"], "takes 2 layer blocks"),
     (["--layers", "5"], "takes 2 layer blocks"),
     (["--set", "lagkv.lag=128"], "does not run"),
     (["--max-new-tokens", "0"], "positive integer"),

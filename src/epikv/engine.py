@@ -18,7 +18,7 @@ import torch
 
 from .cache import EpiKVCache, cache_kwarg, decoder_layers
 from .errors import ContextWarning, EpiKVError
-from .policies import Policy, get_policy
+from .policies import DEFAULT_POLICY, Policy, get_policy
 from .progress import live_rate
 from .stops import StopStream, cut_at_stop, stop_index
 
@@ -225,7 +225,7 @@ def attention_for(model, policy: Policy):
 class Decoder:
     """One batch of sequences being decoded under a policy. Feed it tokens; it returns next-token logits."""
 
-    def __init__(self, model, policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+    def __init__(self, model, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None,
                  **policy_settings) -> None:
         self.model = model
         self.cache = EpiKVCache(model, policy, budget, tau, **policy_settings)
@@ -379,7 +379,7 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
-             policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+             policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None,
              max_new_tokens: int = 256, sampling: Sampling | None = None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, prefill_chunk: int | None = None,
              eos_token_ids: Sequence[int] | None = None, on_step: Callable[[StepInfo], None] | None = None,

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
+from .._lazy import torch
 
 from ..errors import EpiKVError
 from .pages import page_keep, page_overflow
