@@ -359,3 +359,15 @@ def test_trace_png_colours_by_score_and_keeps_its_legend_off_the_points():
         assert ax.get_legend().get_window_extent(r).x0 >= ax.get_window_extent(r).x1  # beside the axes
     finally:
         plt.close(fig)
+
+
+def test_policies_lists_without_importing_torch_or_transformers():
+    """`epikv policies` prints its table from the registry alone (lazy imports); mutant: a plain `import torch` at the
+    top of epikv/signals.py (or epikv/__init__.py importing .cache) fails here."""
+    code = ("import io, sys, contextlib\nfrom epikv.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n    assert main(['policies']) == 0\n"
+            "assert 'epikv-seg-q' in out.getvalue(), out.getvalue()\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
