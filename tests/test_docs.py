@@ -186,12 +186,97 @@ def test_a_missing_raw_file_is_one_line_and_exit_2(monkeypatch):
         render.render_block("llamacpp-step")
 
 
-def test_mkdocs_build_strict(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out / "site")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return r, out / "site"
+
+
+def test_mkdocs_build_strict(site):
     """The site builds with no warning (strict): every nav page exists, every link and anchor resolves, and the API
     reference renders from the docstrings."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    r, out = site
     assert r.returncode == 0, r.stderr[-4000:]
-    api = (tmp_path / "site" / "python-api" / "index.html").read_text(encoding="utf-8")
+    api = (out / "python-api" / "index.html").read_text(encoding="utf-8")
     assert "EpiKVCache" in api and "doc-object" in api  # mkdocstrings ran
+
+
+# the serving names a user needs (epikv.serving.__all__ also lists the scheduler's class, plumbing)
+SERVING_PUBLIC = ["ServeSpec", "start_manager", "check_serving", "serving_stats", "run_batch", "ServingUnsupported"]
+# members each class's entry must show (its `members:` list), and plumbing it must not
+MEMBERS = {"epikv.EpiKVCache": ["get_seq_length", "stored_length", "stats"], "epikv.Decoder": ["prefill", "step"],
+           "epikv.Policy": ["tau", "recent", "observes", "scores", "keep"],
+           "epikv.GenerationResult": ["texts", "token_ids", "finish_reasons", "stats"],
+           "epikv.Sampling": ["temperature", "top_p", "seed"], "epikv.policies.Observes": ["hidden_layers", "queries"],
+           "epikv.policies.StepObservation": ["hidden", "valid"], "epikv.policies.CacheView": ["length", "keys"]}
+PLUMBING = ["epikv.EpiKVCache.begin", "epikv.EpiKVCache.prepare", "epikv.EpiKVCache.held_eviction",
+            "epikv.EpiKVCache.update"]
+
+
+def _reference_ids() -> dict[str, object]:
+    """The identifiers of the reference's `::: X` entries, each with the object it names."""
+    import importlib
+
+    out = {}
+    for ident in re.findall(r"^::: ([\w.]+)", (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8"), re.M):
+        mod, _, attr = ident.rpartition(".")
+        try:
+            out[ident] = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError):
+            out[ident] = importlib.import_module(ident)
+    return out
+
+
+def _entry(html: str, ident: str) -> tuple[str, str]:
+    """(signature html, description text) of the reference entry whose heading id is `ident`."""
+    m = re.search(rf'<h3 id="{re.escape(ident)}".*?</h3>(.*?)(?=<div class="doc doc-children">|<h3 |\Z)', html, re.S)
+    assert m, f"no reference entry for {ident}"
+    body = m.group(1)
+    sig = re.search(r'<div class="doc-signature highlight">(.*?)</div>', body, re.S)
+    desc = re.search(r'<div class="doc doc-contents[^"]*">(.*)', body, re.S)
+    text = re.sub(r"<[^>]+>", " ", desc.group(1)) if desc else ""
+    return (sig.group(1) if sig else ""), " ".join(text.split())
+
+
+def test_every_public_name_has_a_reference_entry_with_signature_and_description(site):
+    """Every name in epikv.__all__, epikv.llamacpp.__all__ and the serving names has a `:::` entry that renders its
+    signature (callables) and a description; each class shows its listed members and hides the engine's plumbing.
+    Mutants: a public name without a docstring (GenerationResult's removed), a `members:` entry removed
+    (EpiKVCache's stats), a name dropped from the page: each fails here."""
+    import inspect
+
+    import epikv
+    import epikv.llamacpp
+    import epikv.serving
+
+    r, out = site
+    assert r.returncode == 0, r.stderr[-4000:]
+    html = (out / "python-api" / "index.html").read_text(encoding="utf-8")
+    ids = _reference_ids()
+    public = [(f"epikv.{n}", getattr(epikv, n)) for n in epikv.__all__]
+    public += [(f"epikv.llamacpp.{n}", getattr(epikv.llamacpp, n)) for n in epikv.llamacpp.__all__]
+    public += [(f"epikv.serving.{n}", getattr(epikv.serving, n)) for n in SERVING_PUBLIC]
+    missing, empty, unsigned = [], [], []
+    for name, obj in public:
+        found = [i for i, o in ids.items() if o is obj]
+        if not found:
+            missing.append(name)
+            continue
+        sig, desc = _entry(html, found[0])
+        if len(desc) < 20:
+            empty.append(found[0])
+        callable_ = inspect.isfunction(obj) or inspect.isclass(obj) and not (
+            issubclass(obj, Exception) and "__init__" not in vars(obj))  # an exception with Exception's own init
+        if callable_ and "(" not in re.sub(r"<[^>]+>", "", sig):
+            unsigned.append(found[0])
+    assert not missing, f"public names without a reference entry in docs/python-api.md: {missing}"
+    assert not empty, f"reference entries with no description: {empty}"
+    assert not unsigned, f"reference entries without a signature: {unsigned}"
+    for cls, members in MEMBERS.items():
+        for m in members:
+            assert f'id="{cls}.{m}"' in html, f"{cls}.{m} is not in the reference"
+    shown = [p for p in PLUMBING if f'id="{p}"' in html]
+    assert not shown, f"engine plumbing shown in the reference: {shown}"

@@ -37,6 +37,7 @@ from .sequence import CellCounter, SequenceCache
 # mirror); the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
              "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key")
+"""The built-in policies llama.cpp runs (exactly those `check_policy` lets through: tests/test_llamacpp.py)."""
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache
 ROPE_TYPE_NORM = 0  # llama_rope_type: RoPE on adjacent channel pairs

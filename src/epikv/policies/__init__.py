@@ -37,6 +37,7 @@ REGISTRY: dict[str, type[Policy]] = {
                 KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction,
                 H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm)
 }
+"""Every registered policy class by name (`register_policy` and users' plugins add to it)."""
 
 
 # The default policy of every entry point (`epikv generate` / `eval`, `epikv.generate`, `EpiKVCache`, `press`,
@@ -50,10 +51,12 @@ REGISTRY: dict[str, type[Policy]] = {
 # epikv-seg-q's -0.002 / -0.024 / -0.006); h2o and tova measured a little better but read attention weights (eager
 # attention; llama.cpp and the paged server refuse them). tests/test_defaults.py checks these claims on the raw files.
 DEFAULT_POLICY = "epikv-seg-q"
+"""The policy every entry point runs when none is named (where an entry point refuses it: ENTRY_DEFAULTS)."""
 # Entry points that refuse DEFAULT_POLICY (their check: epikv.support), each with the best measured policy it runs,
 # from the same raw files: the torch paged server serves only token policies with the page rule that read no
 # queries, and of those streaming lost the least (-0.029 nats/token against random at K = 1024).
 ENTRY_DEFAULTS: dict[str, str] = {"serve-torch": "streaming"}
+"""Entry point (epikv.support.ENTRY_POINTS' keys) -> its own default, where it refuses DEFAULT_POLICY."""
 
 
 def default_policy(entry: str | None = None) -> str:
