@@ -280,3 +280,48 @@ def test_every_public_name_has_a_reference_entry_with_signature_and_description(
             assert f'id="{cls}.{m}"' in html, f"{cls}.{m} is not in the reference"
     shown = [p for p in PLUMBING if f'id="{p}"' in html]
     assert not shown, f"engine plumbing shown in the reference: {shown}"
+
+
+# Figures in the prose of the pages (outside render blocks, code and code spans): a decimal, a number with a
+# thousands separator, a percentage or a ratio. Each must be rendered from its raw file or listed here. These were
+# in the pages when this check came in (after issue 48 fixed the wrong ones: serve.md's peak cells, sequences a step,
+# run time and logit gap; llamacpp.md's load note and tau-16 row); add a new one only with the raw file it comes from.
+PROSE_FIGURES = {
+    "README.md": {"2606.26472", "6,000"},
+    "docs/SERVING.md": {"0.03", "0.04", "0.099", "0.121", "0.8", "49,152", "5.16", "5.17", "5.18", "5.25", "90 %",
+        "95 %"},
+    "docs/benchmarks.md": {"6,000", "8,128", "8,192"},
+    "docs/evaluation.md": {"0.6", "0.95", "1.69x", "1.7x", "3,960", "95 %"},
+    "docs/getting-started.md": {"0.3", "5.0", "5.17", "5.24"},
+    "docs/index.md": {"1,000", "2606.26472", "6,000"},
+    "docs/llamacpp.md": {"0.3", "0.96x", "0.979", "1,024", "1.0", "1.03x", "1.08x", "1.10x", "10 %", "11.6 %",
+        "118 %", "15 %", "16.80", "17.42", "17.7", "2.4 %", "2.71x", "2.75x", "2.98x", "20 %", "3x", "4.0 %",
+        "45.52", "47.98", "4x", "50 %", "6 %", "6,000", "61 %", "8.8"},
+    "docs/method.md": {"0.003"},
+    "docs/policies.md": {"2510.01290"},
+    "docs/reasoning.md": {"2.4"},
+    "docs/serve.md": {"0.3", "0.6", "0.95", "1,024", "1,200", "1,280", "1.60x", "1.84x", "10 %", "10,070", "10,240",
+        "16,400", "2 %", "2.5", "24,576", "2x", "3,072", "3x", "40 %", "5.17", "5.25", "8 x", "8,813", "90 %"},
+}
+FIGURE = re.compile(r"(?<![\w.,/-])(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=\s?(?:%|x\b)))(?:\s?(?:%|x\b))?")
+
+
+def prose_figures(text: str) -> set[str]:
+    text = render.MARKER.sub("", text)
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets
+    return {m.group(0) for m in FIGURE.finditer(text)}
+
+
+def test_no_unrendered_figure_in_the_prose():
+    """Mutant: "up to 0.70 in the logits" (no raw file) typed back into docs/serve.md fails here."""
+    bad = {}
+    for p in PAGES:
+        page = p.relative_to(ROOT).as_posix()
+        extra = prose_figures(p.read_text(encoding="utf-8")) - PROSE_FIGURES.get(page, set())
+        if extra:
+            bad[page] = sorted(extra)
+    assert not bad, f"figures in the prose that are neither rendered nor listed in PROSE_FIGURES: {bad}"
+    assert prose_figures("measured: up to 0.70 in the logits, 2.3x, 12 %, 9,500 cells; `1.5` K = 512") == \
+        {"0.70", "2.3x", "12 %", "9,500"}
