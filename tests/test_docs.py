@@ -325,3 +325,49 @@ def test_no_unrendered_figure_in_the_prose():
     assert not bad, f"figures in the prose that are neither rendered nor listed in PROSE_FIGURES: {bad}"
     assert prose_figures("measured: up to 0.70 in the logits, 2.3x, 12 %, 9,500 cells; `1.5` K = 512") == \
         {"0.70", "2.3x", "12 %", "9,500"}
+
+
+def test_the_headline_reads_what_it_states_from_the_raw_files(monkeypatch):
+    """The README headline takes its thread count and generation length from the raw file, computes the ratio from
+    the two rates it prints, and states what a serve row generated from its generated tokens. Mutants (raw values
+    edited in memory): threads 1 -> 4, the whole cache's last rate 6.97 -> 9.97, epikv's generated tokens cut: each
+    changes the rendered row (before, a stored ratio, a literal "1 thread" and max_tokens hid them)."""
+    import copy
+
+    base = render.headline()
+    real_json, real_rows = render.load_json, render._serve_rows
+
+    def edited_json(edit):
+        def load(rel):
+            d = copy.deepcopy(real_json(rel))
+            return edit(d) or d if rel == "llamacpp/interleaved.json" else d
+        return load
+
+    def more_threads(d):
+        d["threads"] = 4
+
+    monkeypatch.setattr(render, "load_json", edited_json(more_threads))
+    assert "CPU, 4 threads" in render.headline() and "CPU, 1 thread)" in base
+
+    seg = real_json("llamacpp/interleaved.json")["segments_tok_s"]
+    full = next(k for k in seg if not k.startswith("epikv"))
+    epi = next(k for k in seg if k.startswith("epikv"))
+    expected = f"({round(seg[epi][-1], 2) / round(seg[full][-1] + 3, 2):.2f}x)"
+
+    def slower_full(d):
+        d["segments_tok_s"][full][-1] += 3
+
+    monkeypatch.setattr(render, "load_json", edited_json(slower_full))
+    assert expected in render.headline() and expected not in base
+
+    monkeypatch.setattr(render, "load_json", real_json)
+
+    def cut_rows(rel):
+        rows = copy.deepcopy(real_rows(rel))
+        for r in rows:
+            if r["label"] == "epikv K=1024":
+                r["generated_tokens"] = r["requests"] * 1500
+        return rows
+
+    monkeypatch.setattr(render, "_serve_rows", cut_rows)
+    assert "generates 1,500 of 3,072 a request" in render.headline() and "generates all 3,072" in base
