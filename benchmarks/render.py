@@ -243,6 +243,16 @@ LLAMA_SERVER_WHAT = ["epikv on one unified cache", "epikv on a stream per sequen
                      "requests that outgrow llama-server's slot"]
 
 
+def _llama_server_cells() -> str:
+    """llama-server's cells, from the command that started it in the run's committed script (its rows record none)."""
+    rel = "serve/llama-server/run.sh"
+    m = re.search(r'"\$LS" .*?-c (\d+) --parallel (\d+)', raw(rel).read_text(encoding="utf-8"))
+    if not m:
+        raise RenderError(f"benchmarks/results/{rel}: no llama-server command with -c and --parallel")
+    cells, slots = int(m.group(1)), int(m.group(2))
+    return f"{cells:,} ({slots} slots of {cells // slots:,})"
+
+
 def serve_llama_server() -> str:
     """llama.cpp's own llama-server beside epikv serve --engine llama.cpp, the same GGUF, threads and client."""
     out = []
@@ -252,7 +262,7 @@ def serve_llama_server() -> str:
 
         def cells(r):
             if r["engine"] == "external":
-                return "10,240 (8 slots of 1,280)"
+                return _llama_server_cells()
             return f"{r['cells']:,}" + (f" (8 streams of {r['cells'] // 8:,})" if r.get("kv") == "streams" else
                                         " (unified)")
 
@@ -587,6 +597,12 @@ def headline() -> str:
     _, cells = _retention_records()
     long8k = load_json("bench/long_smollm2_8192_cpu.json")
 
+    long_rows = load_json("llamacpp/long.json")["rows"]
+    long_ep = next(r for r in long_rows if (r["engine"], r["policy"]) == ("llama.cpp", "epikv"))["segments_tok_s"]
+    long_pl = next(r for r in long_rows if (r["engine"], r["policy"]) == ("llama.cpp", "full"))["segments_tok_s"]
+    long_d = load_json("llamacpp/long.json")
+    if (long_d["segment"], len(long_ep)) != (inter["segment"], inter["gen"] // inter["segment"]):
+        raise RenderError("llamacpp/long.json and interleaved.json time different segments: no like-for-like ratio")
     seg = inter["segments_tok_s"]
     ep_v = next(v for k, v in seg.items() if k.startswith("epikv"))
     pl_v = next(v for k, v in seg.items() if not k.startswith("epikv"))
@@ -604,7 +620,8 @@ def headline() -> str:
     rows = [
         [f"llama.cpp, {inter['gen']:,}-token generation (SmolLM2 Q4_1, CPU, {_threads(inter['threads'])})",
          f"tokens {inter['gen'] - inter['segment'] + 1}-{inter['gen']}: {ep_v[-1]:.2f} tok/s at K = {inter['budget']}"
-         f" against {pl_v[-1]:.2f} with the whole cache ({_ratio(ep_v[-1], pl_v[-1])})",
+         f" against {pl_v[-1]:.2f} with the whole cache ({_ratio(ep_v[-1], pl_v[-1])}; one run on {inter['cpus']} shared cores: "
+         f"another, `long.json`, measured {_ratio(long_ep[-1], long_pl[-1])})",
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         ["llama.cpp, cost of an evicting step (K = %d)" % step["budget"],
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
@@ -630,7 +647,7 @@ def headline() -> str:
          f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
-    files = ["llamacpp/interleaved.json", "llamacpp/step.json", *STREAMS.values(), *LLAMA_SERVER,
+    files = ["llamacpp/interleaved.json", "llamacpp/long.json", "llamacpp/step.json", *STREAMS.values(), *LLAMA_SERVER,
              "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})

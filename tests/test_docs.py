@@ -352,7 +352,7 @@ def test_the_headline_reads_what_it_states_from_the_raw_files(monkeypatch):
     seg = real_json("llamacpp/interleaved.json")["segments_tok_s"]
     full = next(k for k in seg if not k.startswith("epikv"))
     epi = next(k for k in seg if k.startswith("epikv"))
-    expected = f"({round(seg[epi][-1], 2) / round(seg[full][-1] + 3, 2):.2f}x)"
+    expected = f"({round(seg[epi][-1], 2) / round(seg[full][-1] + 3, 2):.2f}x;"
 
     def slower_full(d):
         d["segments_tok_s"][full][-1] += 3
