@@ -7,7 +7,7 @@
 #   bash benchmarks/build_llama_server.sh [SDIST_DIR_OR_TARBALL] [BUILD_DIR]
 #
 # SDIST_DIR_OR_TARBALL: an unpacked llama_cpp_python-0.3.36 folder or its .tar.gz (default: fetched once with
-# `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36` into $EPIKV_CACHE_DIR/llama-server/).
+# `pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36` into $EPIKV_CACHE_DIR/llama-server/).
 # BUILD_DIR: default $EPIKV_CACHE_DIR/llama-server/build. Prints the binary's path last.
 # Tried (issue 40): these CMake options configure offline and build llama-server in about 8 minutes on 2 shared
 # cores; `llama-server --version` then reports the vendored commit. No side-by-side run yet: bench serve counts the
@@ -23,7 +23,7 @@ mkdir -p "$CACHE"
 if [ -z "$SRC" ]; then
   tarball=$(ls "$CACHE"/llama_cpp_python-$VERSION.tar.gz 2>/dev/null || true)
   if [ -z "$tarball" ]; then
-    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE" >&2
+    "$PY" -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$CACHE" >&2
     tarball="$CACHE/llama_cpp_python-$VERSION.tar.gz"
   fi
   SRC=$tarball

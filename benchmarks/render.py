@@ -243,6 +243,16 @@ LLAMA_SERVER_WHAT = ["epikv on one unified cache", "epikv on a stream per sequen
                      "requests that outgrow llama-server's slot"]
 
 
+def _llama_server_cells() -> str:
+    """llama-server's cells, from the command that started it in the run's committed script (its rows record none)."""
+    rel = "serve/llama-server/run.sh"
+    m = re.search(r'"\$LS" .*?-c (\d+) --parallel (\d+)', raw(rel).read_text(encoding="utf-8"))
+    if not m:
+        raise RenderError(f"benchmarks/results/{rel}: no llama-server command with -c and --parallel")
+    cells, slots = int(m.group(1)), int(m.group(2))
+    return f"{cells:,} ({slots} slots of {cells // slots:,})"
+
+
 def serve_llama_server() -> str:
     """llama.cpp's own llama-server beside epikv serve --engine llama.cpp, the same GGUF, threads and client."""
     out = []
@@ -252,7 +262,7 @@ def serve_llama_server() -> str:
 
         def cells(r):
             if r["engine"] == "external":
-                return "10,240 (8 slots of 1,280)"
+                return _llama_server_cells()
             return f"{r['cells']:,}" + (f" (8 streams of {r['cells'] // 8:,})" if r.get("kv") == "streams" else
                                         " (unified)")
 
@@ -558,6 +568,24 @@ def llamacpp_retention(budget: int = 1024) -> str:
                                  "benchmarks/results/retention-full/run.sh A, C)"))
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _ratio(a: float, b: float) -> str:
+    """a / b as printed beside the two rates: computed from the values shown (rounded as shown), never read from a
+    stored ratio, so a rate edited in the raw file moves its ratio too."""
+    return f"{round(a, 2) / round(b, 2):.2f}x"
+
+
+def _generates(row: dict) -> str:
+    """What a serve row generated per request, from its generated tokens (not its max_tokens)."""
+    per = row["generated_tokens"] / row["requests"]
+    if row["generated_tokens"] == row["requests"] * row["max_tokens"]:
+        return f"generates all {row['max_tokens']:,}"
+    return f"generates {per:,.0f} of {row['max_tokens']:,} a request"
+
+
 def headline() -> str:
     """The README's few headline figures, each from its raw file, each linking to its page."""
     inter = load_json("llamacpp/interleaved.json")
@@ -569,6 +597,12 @@ def headline() -> str:
     _, cells = _retention_records()
     long8k = load_json("bench/long_smollm2_8192_cpu.json")
 
+    long_rows = load_json("llamacpp/long.json")["rows"]
+    long_ep = next(r for r in long_rows if (r["engine"], r["policy"]) == ("llama.cpp", "epikv"))["segments_tok_s"]
+    long_pl = next(r for r in long_rows if (r["engine"], r["policy"]) == ("llama.cpp", "full"))["segments_tok_s"]
+    long_d = load_json("llamacpp/long.json")
+    if (long_d["segment"], len(long_ep)) != (inter["segment"], inter["gen"] // inter["segment"]):
+        raise RenderError("llamacpp/long.json and interleaved.json time different segments: no like-for-like ratio")
     seg = inter["segments_tok_s"]
     ep_v = next(v for k, v in seg.items() if k.startswith("epikv"))
     pl_v = next(v for k, v in seg.items() if not k.startswith("epikv"))
@@ -584,9 +618,10 @@ def headline() -> str:
     last = {p["policy"]: p for p in long8k["long"] if p["status"] == "ok" and p["generated"] == max(
         q["generated"] for q in long8k["long"] if q["status"] == "ok")}
     rows = [
-        ["llama.cpp, 6,000-token generation (SmolLM2 Q4_1, CPU, 1 thread)",
+        [f"llama.cpp, {inter['gen']:,}-token generation (SmolLM2 Q4_1, CPU, {_threads(inter['threads'])})",
          f"tokens {inter['gen'] - inter['segment'] + 1}-{inter['gen']}: {ep_v[-1]:.2f} tok/s at K = {inter['budget']}"
-         f" against {pl_v[-1]:.2f} with the whole cache ({inter['epikv_over_full_per_segment'][-1]:.2f}x)",
+         f" against {pl_v[-1]:.2f} with the whole cache ({_ratio(ep_v[-1], pl_v[-1])}; one run on {inter['cpus']} shared cores: "
+         f"another, `long.json`, measured {_ratio(long_ep[-1], long_pl[-1])})",
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         ["llama.cpp, cost of an evicting step (K = %d)" % step["budget"],
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
@@ -602,7 +637,7 @@ def headline() -> str:
          f"{100 * ls['epikv K=256']['cells'] / ls['full']['cells']:.0f} % of the cells "
          f"{ls['epikv K=256']['tokens_per_s']:.1f}; 8 x 3,072 on 1,280 cells a sequence: llama-server stops each "
          f"request at {ls3['llama-server']['generated_tokens'] / ls3['llama-server']['requests']:,.0f} tokens, "
-         f"epikv K = 1024 generates all {ls3['epikv K=1024']['max_tokens']:,}",
+         f"epikv K = 1024 {_generates(ls3['epikv K=1024'])}",
          "[serving](docs/serve.md#llamacpps-own-server)"],
         ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
@@ -612,7 +647,7 @@ def headline() -> str:
          f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
-    files = ["llamacpp/interleaved.json", "llamacpp/step.json", *STREAMS.values(), *LLAMA_SERVER,
+    files = ["llamacpp/interleaved.json", "llamacpp/long.json", "llamacpp/step.json", *STREAMS.values(), *LLAMA_SERVER,
              "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})
@@ -709,6 +744,55 @@ def policies() -> str:
         "\n\nRendered by `python benchmarks/render.py` from `epikv policies --json` (the registry, no plugins)."
 
 
+def policy_matrix() -> str:
+    """Policy x entry point, from the registry and each engine's own refusal check (epikv.support), the default of
+    each entry point marked; refused cells point at the engine's message."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from epikv.policies import REGISTRY, default_policy, get_policy
+    from epikv.support import ENTRY_POINTS
+
+    notes: list[str] = []
+    rows = []
+    for name in REGISTRY:
+        pol = get_policy(name)
+        kernel = "no: eager attention" if pol.observes(32).attention_layers else "yes"
+        row = [f"`{name}`", kernel]
+        for e in ENTRY_POINTS:
+            why = e.refusal(pol)
+            if why is None:
+                row.append("**yes, default**" if e.has_default and default_policy(e.key) == name else "yes")
+                continue
+            why = re.sub(r" \((supported|served policies)[^)]*\)$", "", why.replace(f"policy {name} ", "the policy "))
+            why = re.sub(r"\s+\(.*?\)", "", why) if len(why) > 240 else why
+            if why not in notes:
+                notes.append(why)
+            row.append(f"no [{notes.index(why) + 1}]")
+        rows.append(row)
+    head = ["policy", "attention kernel untouched"] + [e.label for e in ENTRY_POINTS]
+    return (table(head, rows) + "\n\nRefused, in the engine's own words:\n\n"
+            + "\n".join(f"{i}. {_escape(n)}" for i, n in enumerate(notes, 1))
+            + "\n\nRendered by `python benchmarks/render.py` from the registry and the engines' refusal checks "
+              "(`epikv.support`); **default**: the policy the entry point runs when none is named "
+              "(`epikv.policies.default_policy`).")
+
+
+def serve_fields() -> str:
+    """The request fields `epikv serve` accepts, from the sets its parser checks against and their notes."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from epikv.serving import app
+
+    names = sorted(app._COMPLETION_FIELDS | app._CHAT_FIELDS, key=lambda n: (app.FIELD_NOTES.get(n, ("?",))[0] != "openai", n))
+    missing = [n for n in names if n not in app.FIELD_NOTES]
+    if missing:
+        raise RenderError(f"epikv.serving.app.FIELD_NOTES has no note for accepted field(s) {', '.join(missing)}")
+    rows = [[f"`{n}`", "yes" if n in app._COMPLETION_FIELDS else "-", "yes" if n in app._CHAT_FIELDS else "-",
+             app.FIELD_NOTES[n][0], _escape(app.FIELD_NOTES[n][1])] for n in names]
+    return (table(["field", "/v1/completions", "/v1/chat/completions", "kind", "here"], rows)
+            + "\n\nAny other field is refused: 400 with an OpenAI-style error naming it (a silently ignored option "
+              "would be a wrong answer). Rendered by `python benchmarks/render.py` from `epikv.serving.app`'s field "
+              "sets and `FIELD_NOTES`.")
+
+
 def _env() -> dict:
     import os
 
@@ -737,6 +821,8 @@ RENDERERS = {
     "bench-throughput": bench_throughput,
     "serve-equal-batch": serve_equal_batch,
     "policies": policies,
+    "policy-matrix": policy_matrix,
+    "serve-fields": serve_fields,
 }
 
 

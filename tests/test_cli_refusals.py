@@ -129,7 +129,7 @@ def test_n_sink_needs_no_protect_prompt(capsys):
     assert "--n-sink only applies with --no-protect-prompt" in line
     assert main([*GEN, "--n-sink", "2", "--no-protect-prompt"]) == 0  # where it matters, it is taken
     # a policy told through --set not to protect the prompt reads --n-sink too
-    assert main([*GEN, "--n-sink", "2", "--set", "epikv.protect_prompt=false"]) == 0
+    assert main([*GEN, "--policy", "epikv", "--n-sink", "2", "--set", "epikv.protect_prompt=false"]) == 0
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ def test_the_expected_blocks_are_on_their_pages():
     assert "retention-vs-random" in found["docs/choosing.md"]
     assert {"bench-overhead", "bench-long"} <= found["docs/benchmarks.md"]
     assert "pages" in found["docs/SERVING.md"]
-    assert "policies" in found["docs/policies.md"]
+    assert {"policies", "policy-matrix"} <= found["docs/policies.md"]
     # every command of the CLI has its generated reference
     sub = render._sub(render._command_parser([]))
     names = set()
@@ -92,7 +92,7 @@ def test_each_measured_table_names_its_raw_file_command_and_date():
     for p in PAGES:
         text = p.read_text(encoding="utf-8")
         for m in render.MARKER.finditer(text):
-            if m.group("name").startswith("cli") or m.group("name") == "policies":
+            if m.group("name").startswith("cli") or m.group("name") in ("policies", "policy-matrix", "serve-fields"):  # not measured
                 continue
             body = m.group("body")
             assert "benchmarks/results/" in body and re.search(r"\d{4}-\d{2}-\d{2}", body), (p, m.group("name"))
@@ -186,12 +186,188 @@ def test_a_missing_raw_file_is_one_line_and_exit_2(monkeypatch):
         render.render_block("llamacpp-step")
 
 
-def test_mkdocs_build_strict(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out / "site")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return r, out / "site"
+
+
+def test_mkdocs_build_strict(site):
     """The site builds with no warning (strict): every nav page exists, every link and anchor resolves, and the API
     reference renders from the docstrings."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    r, out = site
     assert r.returncode == 0, r.stderr[-4000:]
-    api = (tmp_path / "site" / "python-api" / "index.html").read_text(encoding="utf-8")
+    api = (out / "python-api" / "index.html").read_text(encoding="utf-8")
     assert "EpiKVCache" in api and "doc-object" in api  # mkdocstrings ran
+
+
+# the serving names a user needs (epikv.serving.__all__ also lists the scheduler's class, plumbing)
+SERVING_PUBLIC = ["ServeSpec", "start_manager", "check_serving", "serving_stats", "run_batch", "ServingUnsupported"]
+# members each class's entry must show (its `members:` list), and plumbing it must not
+MEMBERS = {"epikv.EpiKVCache": ["get_seq_length", "stored_length", "stats"], "epikv.Decoder": ["prefill", "step"],
+           "epikv.Policy": ["tau", "recent", "observes", "scores", "keep"],
+           "epikv.GenerationResult": ["texts", "token_ids", "finish_reasons", "stats"],
+           "epikv.Sampling": ["temperature", "top_p", "seed"], "epikv.policies.Observes": ["hidden_layers", "queries"],
+           "epikv.policies.StepObservation": ["hidden", "valid"], "epikv.policies.CacheView": ["length", "keys"]}
+PLUMBING = ["epikv.EpiKVCache.begin", "epikv.EpiKVCache.prepare", "epikv.EpiKVCache.held_eviction",
+            "epikv.EpiKVCache.update"]
+
+
+def _reference_ids() -> dict[str, object]:
+    """The identifiers of the reference's `::: X` entries, each with the object it names."""
+    import importlib
+
+    out = {}
+    for ident in re.findall(r"^::: ([\w.]+)", (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8"), re.M):
+        mod, _, attr = ident.rpartition(".")
+        try:
+            out[ident] = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError):
+            out[ident] = importlib.import_module(ident)
+    return out
+
+
+def _entry(html: str, ident: str) -> tuple[str, str]:
+    """(signature html, description text) of the reference entry whose heading id is `ident`."""
+    m = re.search(rf'<h3 id="{re.escape(ident)}".*?</h3>(.*?)(?=<div class="doc doc-children">|<h3 |\Z)', html, re.S)
+    assert m, f"no reference entry for {ident}"
+    body = m.group(1)
+    sig = re.search(r'<div class="doc-signature highlight">(.*?)</div>', body, re.S)
+    desc = re.search(r'<div class="doc doc-contents[^"]*">(.*)', body, re.S)
+    text = re.sub(r"<[^>]+>", " ", desc.group(1)) if desc else ""
+    return (sig.group(1) if sig else ""), " ".join(text.split())
+
+
+def test_every_public_name_has_a_reference_entry_with_signature_and_description(site):
+    """Every name in epikv.__all__, epikv.llamacpp.__all__ and the serving names has a `:::` entry that renders its
+    signature (callables) and a description; each class shows its listed members and hides the engine's plumbing.
+    Mutants: a public name without a docstring (GenerationResult's removed), a `members:` entry removed
+    (EpiKVCache's stats), a name dropped from the page: each fails here."""
+    import inspect
+
+    import epikv
+    import epikv.llamacpp
+    import epikv.serving
+
+    r, out = site
+    assert r.returncode == 0, r.stderr[-4000:]
+    html = (out / "python-api" / "index.html").read_text(encoding="utf-8")
+    ids = _reference_ids()
+    public = [(f"epikv.{n}", getattr(epikv, n)) for n in epikv.__all__]
+    public += [(f"epikv.llamacpp.{n}", getattr(epikv.llamacpp, n)) for n in epikv.llamacpp.__all__]
+    public += [(f"epikv.serving.{n}", getattr(epikv.serving, n)) for n in SERVING_PUBLIC]
+    missing, empty, unsigned = [], [], []
+    for name, obj in public:
+        found = [i for i, o in ids.items() if o is obj]
+        if not found:
+            missing.append(name)
+            continue
+        sig, desc = _entry(html, found[0])
+        if len(desc) < 20:
+            empty.append(found[0])
+        callable_ = inspect.isfunction(obj) or inspect.isclass(obj) and not (
+            issubclass(obj, Exception) and "__init__" not in vars(obj))  # an exception with Exception's own init
+        if callable_ and "(" not in re.sub(r"<[^>]+>", "", sig):
+            unsigned.append(found[0])
+    assert not missing, f"public names without a reference entry in docs/python-api.md: {missing}"
+    assert not empty, f"reference entries with no description: {empty}"
+    assert not unsigned, f"reference entries without a signature: {unsigned}"
+    for cls, members in MEMBERS.items():
+        for m in members:
+            assert f'id="{cls}.{m}"' in html, f"{cls}.{m} is not in the reference"
+    shown = [p for p in PLUMBING if f'id="{p}"' in html]
+    assert not shown, f"engine plumbing shown in the reference: {shown}"
+
+
+# Figures in the prose of the pages (outside render blocks, code and code spans): a decimal, a number with a
+# thousands separator, a percentage or a ratio. Each must be rendered from its raw file or listed here. These were
+# in the pages when this check came in (after issue 48 fixed the wrong ones: serve.md's peak cells, sequences a step,
+# run time and logit gap; llamacpp.md's load note and tau-16 row); add a new one only with the raw file it comes from.
+PROSE_FIGURES = {
+    "README.md": {"2606.26472", "6,000"},
+    "docs/SERVING.md": {"0.03", "0.04", "0.099", "0.121", "0.8", "49,152", "5.16", "5.17", "5.18", "5.25", "90 %",
+        "95 %"},
+    "docs/benchmarks.md": {"6,000", "8,128", "8,192"},
+    "docs/evaluation.md": {"0.6", "0.95", "1.69x", "1.7x", "3,960", "95 %"},
+    "docs/getting-started.md": {"0.3", "5.0", "5.17", "5.24"},
+    "docs/index.md": {"1,000", "2606.26472", "6,000"},
+    "docs/llamacpp.md": {"0.3", "0.96x", "0.979", "1,024", "1.0", "1.03x", "1.08x", "1.10x", "10 %", "11.6 %",
+        "118 %", "15 %", "16.80", "17.42", "17.7", "2.4 %", "2.71x", "2.75x", "2.98x", "20 %", "3x", "4.0 %",
+        "45.52", "47.98", "4x", "50 %", "6 %", "6,000", "61 %", "8.8"},
+    "docs/method.md": {"0.003"},
+    "docs/policies.md": {"2510.01290"},
+    "docs/reasoning.md": {"2.4"},
+    "docs/serve.md": {"0.3", "0.6", "0.95", "1,024", "1,200", "1,280", "1.60x", "1.84x", "10 %", "10,070", "10,240",
+        "16,400", "2 %", "2.5", "24,576", "2x", "3,072", "3x", "40 %", "5.17", "5.25", "8 x", "8,813", "90 %"},
+}
+FIGURE = re.compile(r"(?<![\w.,/-])(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=\s?(?:%|x\b)))(?:\s?(?:%|x\b))?")
+
+
+def prose_figures(text: str) -> set[str]:
+    text = render.MARKER.sub("", text)
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets
+    return {m.group(0) for m in FIGURE.finditer(text)}
+
+
+def test_no_unrendered_figure_in_the_prose():
+    """Mutant: "up to 0.70 in the logits" (no raw file) typed back into docs/serve.md fails here."""
+    bad = {}
+    for p in PAGES:
+        page = p.relative_to(ROOT).as_posix()
+        extra = prose_figures(p.read_text(encoding="utf-8")) - PROSE_FIGURES.get(page, set())
+        if extra:
+            bad[page] = sorted(extra)
+    assert not bad, f"figures in the prose that are neither rendered nor listed in PROSE_FIGURES: {bad}"
+    assert prose_figures("measured: up to 0.70 in the logits, 2.3x, 12 %, 9,500 cells; `1.5` K = 512") == \
+        {"0.70", "2.3x", "12 %", "9,500"}
+
+
+def test_the_headline_reads_what_it_states_from_the_raw_files(monkeypatch):
+    """The README headline takes its thread count and generation length from the raw file, computes the ratio from
+    the two rates it prints, and states what a serve row generated from its generated tokens. Mutants (raw values
+    edited in memory): threads 1 -> 4, the whole cache's last rate 6.97 -> 9.97, epikv's generated tokens cut: each
+    changes the rendered row (before, a stored ratio, a literal "1 thread" and max_tokens hid them)."""
+    import copy
+
+    base = render.headline()
+    real_json, real_rows = render.load_json, render._serve_rows
+
+    def edited_json(edit):
+        def load(rel):
+            d = copy.deepcopy(real_json(rel))
+            return edit(d) or d if rel == "llamacpp/interleaved.json" else d
+        return load
+
+    def more_threads(d):
+        d["threads"] = 4
+
+    monkeypatch.setattr(render, "load_json", edited_json(more_threads))
+    assert "CPU, 4 threads" in render.headline() and "CPU, 1 thread)" in base
+
+    seg = real_json("llamacpp/interleaved.json")["segments_tok_s"]
+    full = next(k for k in seg if not k.startswith("epikv"))
+    epi = next(k for k in seg if k.startswith("epikv"))
+    expected = f"({round(seg[epi][-1], 2) / round(seg[full][-1] + 3, 2):.2f}x;"
+
+    def slower_full(d):
+        d["segments_tok_s"][full][-1] += 3
+
+    monkeypatch.setattr(render, "load_json", edited_json(slower_full))
+    assert expected in render.headline() and expected not in base
+
+    monkeypatch.setattr(render, "load_json", real_json)
+
+    def cut_rows(rel):
+        rows = copy.deepcopy(real_rows(rel))
+        for r in rows:
+            if r["label"] == "epikv K=1024":
+                r["generated_tokens"] = r["requests"] * 1500
+        return rows
+
+    monkeypatch.setattr(render, "_serve_rows", cut_rows)
+    assert "generates 1,500 of 3,072 a request" in render.headline() and "generates all 3,072" in base

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from epikv.errors import EpiKVError
+from epikv.policies import DEFAULT_POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Explain step by step why the sum of two odd numbers is even, then give two examples."
@@ -591,13 +592,24 @@ def _cli(*argv, env=None):
 
 
 def test_cli_generate_json():
-    p = _cli("generate", "--engine", "llama.cpp", "--budget", "72", "--max-new-tokens", "40", "--threads", "1",
-             "--prompt", PROMPT, "--json")
+    p = _cli("generate", "--engine", "llama.cpp", "--policy", "epikv", "--budget", "72", "--max-new-tokens", "40",
+             "--threads", "1", "--prompt", PROMPT, "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["engine"] == "llama.cpp" and out["policy"] == "epikv" and out["budget"] == 72
+    assert out["flash_attn"] == "auto"
     assert out["final_cache_tokens"] <= 72 and out["evictions"] > 0 and out["new_tokens"] >= 1
     assert out["layers"].startswith("blocks 9, 20")
+
+
+def test_cli_flash_attn_reaches_llama_cpp():
+    """--flash-attn off is the context's setting (mutant: the engine not passing it on leaves "auto"); the default
+    policy runs in llama.cpp."""
+    p = _cli("generate", "--engine", "llama.cpp", "--flash-attn", "off", "--budget", "72", "--max-new-tokens", "4",
+             "--threads", "1", "--prompt", PROMPT, "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["flash_attn"] == "off" and out["policy"] == DEFAULT_POLICY
 
 
 @pytest.mark.parametrize("argv, needle", [

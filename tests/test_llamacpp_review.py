@@ -237,7 +237,8 @@ def test_a_graph_without_block_outputs_is_refused_at_server_start(gm, tmp_path, 
     monkeypatch.undo()
     (tmp_path / "sitecustomize.py").write_text(SITE_NO_LOUT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src")]), HF_HUB_OFFLINE="1")
-    p = subprocess.run([sys.executable, "-m", "epikv.cli", "serve", "--engine", "llama.cpp", "--ctx", "256",
+    p = subprocess.run([sys.executable, "-m", "epikv.cli", "serve", "--engine", "llama.cpp", "--policy", "epikv",
+                        "--ctx", "256",
                         "--sequences", "2", "--budget", "64", "--threads", "1", "--port", "0"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "does not name block outputs" in p.stderr, p.stderr

@@ -330,7 +330,7 @@ def test_serve_answers_twenty_concurrent_openai_requests(gm):
     shows cells, /stats the engine's evictions; SIGTERM drains and exits 0."""
     import re
 
-    proc = subprocess.Popen([sys.executable, "-m", "epikv.cli", "serve", "--engine", "llama.cpp",
+    proc = subprocess.Popen([sys.executable, "-m", "epikv.cli", "serve", "--engine", "llama.cpp", "--policy", "epikv",
                              "--sequences", "8", "--budget", "72", "--tau", "8", "--recent", "16",
                              "--max-batch-tokens", "128",
                              "--threads", "1", "--port", "0", "--max-tokens", "40"],

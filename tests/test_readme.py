@@ -51,6 +51,37 @@ def blocks(lang: str, page: str | None = None) -> list[str]:
     return [b for t in texts for b in re.findall(rf"^```{lang}\n(.*?)^```", t, flags=re.S | re.M)]
 
 
+def fence_problems(text: str) -> list[str]:
+    """Code fences that do not pair up: an opening fence inside an open block (a doubled or nested fence, which GitHub
+    renders as code until the next fence), an empty block, a block never closed."""
+    problems, open_at, lines = [], None, 0
+    for n, line in enumerate(text.splitlines(), 1):
+        m = re.match(r"\s*(```+)(\S*)\s*$", line)
+        if not m:
+            lines += open_at is not None and bool(line.strip())
+            continue
+        if open_at is None:
+            open_at, lines = n, 0
+        elif m.group(2):
+            problems.append(f"line {n}: fence {line.strip()!r} opens inside the block opened at line {open_at}")
+        else:
+            if not lines:
+                problems.append(f"line {open_at}: empty code block")
+            open_at = None
+    if open_at is not None:
+        problems.append(f"line {open_at}: code block never closed")
+    return problems
+
+
+def test_every_code_block_pairs_up():
+    """Mutant: the doubled ```bash fence docs/benchmarks.md had, or an empty block, fails here."""
+    bad = {page: fence_problems(text) for page, text in PAGES.items()}
+    assert not {p: b for p, b in bad.items() if b}, bad
+    assert fence_problems("```bash\n```bash\nls\n```\n")
+    assert fence_problems("text\n```bash\n```\n")
+    assert not fence_problems("```bash\nls\n```\n\n```text\nx\n```\n")
+
+
 def commands(block: str) -> list[list[str]]:
     """Each command of a bash block as argv (env assignments dropped)."""
     out = []
@@ -181,15 +212,19 @@ PYTHON_PAGES = sorted(p for p in PAGES if library_blocks(p))
 
 
 def test_the_python_pages_are_the_expected_ones():
-    assert PYTHON_PAGES == ["README.md", "docs/SERVING.md", "docs/python-api.md"], PYTHON_PAGES
+    assert PYTHON_PAGES == ["README.md", "docs/SERVING.md", "docs/python-api.md", "docs/reasoning.md"], PYTHON_PAGES
     assert "next_turn" in "".join(library_blocks("docs/python-api.md"))
 
 
 @pytest.mark.parametrize("page", [p for p in PYTHON_PAGES if p != "docs/SERVING.md"])
 def test_python_blocks_run_as_written(tmp_path, page):
     code = "\n\n".join(library_blocks(page))
-    assert "inputs" in code
+    assert "inputs" in code or page == "docs/reasoning.md"
     code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=8", code)
+    # a GPU example (a hub reasoning model on CUDA) runs here with the embedded model on the CPU in its place
+    gpu = r'load_model\("[\w./-]+", device="cuda"\)'
+    assert page != "docs/reasoning.md" or re.search(gpu, code)
+    code = re.sub(gpu, 'load_model("smollm2")', code)
     (tmp_path / "readme_blocks.py").write_text(code, encoding="utf-8")
     r = subprocess.run([sys.executable, str(tmp_path / "readme_blocks.py")], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

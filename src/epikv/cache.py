@@ -22,7 +22,7 @@ from .buffers import BufferLayer, SlidingBufferLayer, hole_fill, select_state_ro
 from .errors import EpiKVError
 from .hooks import (_after_stack_hook, _attention_hook, _before_stack_hook, _check_hybrid_policy,  # noqa: F401
                     _hidden_hook, _install_hook, _query_hook, attention_layout, cache_kwarg, decoder_layers)
-from .policies import CacheView, Policy, get_policy
+from .policies import DEFAULT_POLICY, CacheView, Policy, get_policy
 from .policy_state import PolicyState
 from .signals import model_depth
 
@@ -30,7 +30,7 @@ from .signals import model_depth
 class EpiKVCache(Cache):
     """A KV cache that keeps at most `budget` tokens per sequence by evicting with a policy.
 
-    Drop-in for `model.generate(..., cache=EpiKVCache(model, policy="epikv", budget=1024))` (`past_key_values=`
+    Drop-in for `model.generate(..., cache=EpiKVCache(model, policy="epikv-seg-q", budget=1024))` (`past_key_values=`
     before transformers 5.24), and the cache behind `epikv.generate`. In model.generate: left-padded batches (the
     padding is read from the first forward's attention mask), beam search and num_return_sequences (rows reordered
     with their policy state), later turns (`get_seq_length()` counts tokens seen, so generate feeds only the unseen
@@ -49,7 +49,7 @@ class EpiKVCache(Cache):
 
     EPIKV_HOOKED = True  # the forward hooks (hooks.py) act on caches of this class only
 
-    def __init__(self, model, policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+    def __init__(self, model, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None,
                  **policy_settings) -> None:
         self.policy = get_policy(policy, tau=tau, **policy_settings)
         layers = decoder_layers(model)

@@ -12,6 +12,7 @@ from .errors import ContextWarning, EpiKVError
 
 # Subcommand modules, in the order `epikv --help` lists them.
 COMMANDS = ["generate", "policies", "trace", "eval", "report", "retention", "bench", "anatomy", "serve"]
+QUICK = {"policies"}  # commands that never load a model: torch and transformers stay unimported
 
 
 class Parser(argparse.ArgumentParser):
@@ -49,13 +50,14 @@ def _one_line_context_warnings(command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    # The CLI speaks for itself: no transformers progress bars or advisory warnings on stderr.
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and bad arguments end here, before transformers is imported
+    if args.command not in QUICK:
+        from transformers.utils import logging as hf_logging
+
+        # The CLI speaks for itself: no transformers progress bars or advisory warnings on stderr.
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
     try:
         with warnings.catch_warnings():
             _one_line_context_warnings(args.command)

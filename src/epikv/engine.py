@@ -18,7 +18,7 @@ import torch
 
 from .cache import EpiKVCache, cache_kwarg, decoder_layers
 from .errors import ContextWarning, EpiKVError
-from .policies import Policy, get_policy
+from .policies import DEFAULT_POLICY, Policy, get_policy
 from .progress import live_rate
 from .stops import StopStream, cut_at_stop, stop_index
 
@@ -45,12 +45,19 @@ class Sampling:
     close boundaries of a flat distribution. `epikv serve` draws with "gumbel"."""
 
     temperature: float = 0.0
+    """0: greedy; > 0: sample at this temperature."""
     top_p: float = 1.0
+    """Nucleus sampling in (0, 1] (1: off)."""
     top_k: int = 0
+    """Keep the k most likely tokens (0: off)."""
     seed: int = 0
+    """Row i of a batch draws from the stream seeded seed + i (unless generate(seeds=...) gives each row its own)."""
     min_p: float = 0.0
+    """Drop tokens below min_p times the most likely token's probability (0: off)."""
     repetition_penalty: float = 1.0
+    """> 0; on tokens already in the prompt or the output (1: off)."""
     draw: str = "cdf"
+    """How a token is drawn from the processed scores: "cdf" (inverse CDF) or "gumbel" (Gumbel-max)."""
 
     def __post_init__(self):
         if self.draw not in DRAWS:
@@ -225,7 +232,7 @@ def attention_for(model, policy: Policy):
 class Decoder:
     """One batch of sequences being decoded under a policy. Feed it tokens; it returns next-token logits."""
 
-    def __init__(self, model, policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+    def __init__(self, model, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None,
                  **policy_settings) -> None:
         self.model = model
         self.cache = EpiKVCache(model, policy, budget, tau, **policy_settings)
@@ -282,11 +289,21 @@ class Decoder:
 
 @dataclass
 class GenerationResult:
+    """What `generate` returns: per prompt its text, tokens and why it ended, and the run's statistics."""
+
     texts: list[str]
-    token_ids: list[list[int]]  # generated ids per prompt (EOS included when it ended the sequence)
+    """The generated text per prompt."""
+    token_ids: list[list[int]]
+    """Generated ids per prompt (EOS included when it ended the sequence)."""
     prompt_tokens: list[int]
-    finish_reasons: list[str]  # "eos" | "stop" | "length"
+    """Prompt length per prompt, in tokens."""
+    finish_reasons: list[str]
+    """Per prompt why it ended: 'eos', 'stop' (a stop string) or 'length' (max_new_tokens)."""
     stats: dict = field(default_factory=dict)
+    """The run's statistics: max_cache_tokens and final_cache_tokens (the cache's size at its largest and at the end),
+    evictions, prompt_tokens and new_tokens per prompt, seconds = prefill_seconds + decode_seconds, tokens_per_s,
+    decode_tokens_per_s, policy, budget, tau, and the engine's own (kv_bytes ... for llama.cpp); as of the last token
+    returned."""
 
 
 @dataclass
@@ -298,7 +315,8 @@ class StepInfo:
     new_text: str
     cache_tokens: int
     evictions: int
-    tokens_per_s: float | None  # decode rate so far; None for the first steps, when it means nothing (live_rate)
+    tokens_per_s: float | None
+    """Decode rate so far; None for the first steps, when it means nothing (live_rate)."""
 
 
 def model_context(model) -> int | None:
@@ -379,19 +397,40 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def generate(model, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
-             policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+             policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None,
              max_new_tokens: int = 256, sampling: Sampling | None = None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, prefill_chunk: int | None = None,
              eos_token_ids: Sequence[int] | None = None, on_step: Callable[[StepInfo], None] | None = None,
              seeds: Sequence[int] | None = None, generation_config=None, allow_beyond_context: bool = False,
              **policy_settings) -> GenerationResult:
-    """Generate for one prompt or a batch (left-padded; each sequence keeps its own tokens).
+    """Generate for one prompt or a batch (left-padded; each sequence keeps its own tokens), the KV cache kept
+    within `budget` tokens per sequence by evicting with `policy`.
 
-    seeds: one sampling seed per prompt (default: Sampling.seed + row index). generation_config: a transformers
-    GenerationConfig instead of `sampling`; where it sets max_new_tokens (or max_length), eos_token_id or
-    stop_strings, those win over the arguments. Statistics describe exactly the tokens returned.
-    The model's trained context (max_position_embeddings): a budget above it is refused unless
-    allow_beyond_context; a prompt longer than it, or a cache that may grow past it, warns (ContextWarning)."""
+    Args:
+        model (transformers.PreTrainedModel): a transformers causal LM (`load_model(...).model`).
+        tokenizer (transformers.PreTrainedTokenizerBase): its tokenizer.
+        prompts: a string, a list of strings, or token ids (one list per prompt).
+        policy: a registered policy name or a Policy object (default `DEFAULT_POLICY`, epikv-seg-q).
+        budget: K, the tokens a sequence keeps, prompt included (ignored by `full`).
+        tau: evict every tau tokens (the cache holds up to budget + tau - 1); None: the policy's own.
+        max_new_tokens: tokens generated per prompt at most.
+        sampling: a Sampling; None: greedy.
+        stop: strings that end a sequence (the text ends before them).
+        chat: feed the prompts through the tokenizer's chat template.
+        system: a system message for the chat template.
+        prefill_chunk: prefill the prompt in chunks of this many tokens (None: one forward).
+        eos_token_ids: tokens that end a sequence (default: the model's).
+        on_step: called after every decode step with a StepInfo (streaming).
+        seeds: one sampling seed per prompt (default: Sampling.seed + row index).
+        generation_config (transformers.GenerationConfig | None): instead of `sampling`; where it sets
+            max_new_tokens (or max_length), eos_token_id or stop_strings, those win over the arguments.
+        allow_beyond_context: run a budget above the model's trained context (max_position_embeddings), refused
+            otherwise; a prompt longer than it, or a cache that may grow past it, warns (ContextWarning).
+        **policy_settings (Any): the policy's own settings (its dataclass fields, e.g. recent=64).
+
+    Returns:
+        A GenerationResult: texts, token ids, finish reasons and statistics describing exactly the tokens returned.
+    """
     if isinstance(prompts, str):
         prompts = [prompts]
     batch = None

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from ._lazy import torch
 
 from .errors import EpiKVError
 

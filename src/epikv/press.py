@@ -1,6 +1,6 @@
 """Press-style use: every `model.generate` inside a `with` block runs on a fresh evicting cache.
 
-    with epikv.press(model, policy="epikv", budget=1024) as p:
+    with epikv.press(model, policy="epikv-seg-q", budget=1024) as p:
         out = model.generate(**inputs, max_new_tokens=512)            # or pipeline("text-generation", model=model)
     print(p.last_stats)                                               # evictions, max / final cache tokens
 
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from .cache import EpiKVCache, cache_kwarg
 from .engine import attention_for
-from .policies import Policy, get_policy
+from .policies import DEFAULT_POLICY, Policy, get_policy
 
 _ABSENT = object()
 
@@ -41,7 +41,7 @@ class Press:
 
 
 @contextlib.contextmanager
-def press(model, policy: str | Policy = "epikv", budget: int | None = 1024, tau: int | None = None,
+def press(model, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None,
           **policy_settings) -> Iterator[Press]:
     """Inside the block, `model.generate(...)` (and so a transformers text-generation pipeline built on this model)
     uses a fresh `EpiKVCache(model, policy, budget, tau, **policy_settings)` per call; a call that passes its own

@@ -6,7 +6,7 @@ incremental: a chunk of T tokens gives exactly what T single-token calls would (
 
 from __future__ import annotations
 
-import torch
+from ._lazy import torch
 
 from .errors import EpiKVError
 

@@ -25,7 +25,7 @@ def register(sub) -> None:
                         description="Interleaved decode timing of every policy (and tau) at each budget K, plus long "
                                     "generations of full vs epikv. Prints / writes JSON.")
     add_model_args(s)
-    add_policy_args(s, multi=True)
+    add_policy_args(s, multi=True, own_default=True)
     s.add_argument("--taus", type=int_list, default=[1, 128], help="eviction intervals to time (default 1,128)")
     s.add_argument("--gen-tokens", type=positive_int, default=512, help="timed decode steps per config and budget (default 512)")
     s.add_argument("--round-steps", type=positive_int, default=None,
@@ -40,7 +40,7 @@ def register(sub) -> None:
                    help="leave out the second reference, transformers' model.generate with a DynamicCache at full's "
                         "cache length (timed in the same rounds; on by default when full is benchmarked)")
     s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB; default 6)")
-    add_engine_args(s, threads_help="CPU threads (llama.cpp's threads, or torch.set_num_threads)")
+    add_engine_args(s)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
@@ -68,7 +68,7 @@ def register(sub) -> None:
                                     "forced (EOS ignored); static batches: a request keeps its slot until its batch "
                                     "ends.")
     add_model_args(t)
-    add_policy_args(t, multi=True)
+    add_policy_args(t, multi=True, own_default=True)
     t.add_argument("--cap-mib", type=nonneg_float, required=True, help="KV-memory cap (MiB) every batch must fit")
     t.add_argument("--data", default="math500", help="dataset name or JSONL path (fields id, problem, answer)")
     t.add_argument("--data-dir", default=None, help="folder of the named datasets (default: ../shared/data)")
@@ -98,7 +98,7 @@ def register(sub) -> None:
                                     "preemptions. Writes results.jsonl (resumable), table.md and serve.png into "
                                     "--out.")
     add_model_args(v)
-    add_policy_args(v, multi=True)
+    add_policy_args(v, multi=True, by_engine=True, also="full")
     v.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
                    help="the server's engine: torch (transformers' continuous batching over --num-blocks pages, "
                         "default) or llama.cpp (one context of --ctx cells shared by up to --sequences sequences)")
@@ -139,7 +139,7 @@ def register(sub) -> None:
     v.add_argument("--equal-batch-repeats", type=positive_int, default=1, help="interleaved repeats of that part")
     v.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (server and this process)")
     v.add_argument("--out", required=True, type=out_dir, help="folder for results.jsonl, table.md, serve.png, logs")
-    v.set_defaults(run=run_serve, policies=["full", "epikv"], budgets=[256, 512])
+    v.set_defaults(run=run_serve, budgets=[256, 512])
 
 
 def run_serve(args) -> int:
@@ -148,6 +148,10 @@ def run_serve(args) -> int:
     from ..data import data_dir
     from ..policies import REGISTRY
 
+    if args.policies is None:
+        from ..policies import default_policy
+
+        args.policies = ["full", default_policy("serve-llama.cpp" if args.engine == "llama.cpp" else "serve-torch")]
     names = list(dict.fromkeys(args.policies))
     settings = settings_by_policy(args, names)  # unknown names and stray --set refused before anything starts
     llama = args.engine == "llama.cpp"

@@ -251,14 +251,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn", default=None, help="attention kernel: sdpa (default), flash_attention_2, eager")
 
 
-def add_policy_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
+def default_policy_help(by_engine: bool = False) -> str:
+    """The --policy default as the help states it: DEFAULT_POLICY, and each engine's own where one refuses it."""
+    from ..policies import DEFAULT_POLICY, ENTRY_DEFAULTS
+
+    own = [f"--engine {key.split('-', 1)[1]}, which refuses it: {name}" for key, name in ENTRY_DEFAULTS.items()
+           if by_engine and key.startswith("serve-")]
+    return (f"default {DEFAULT_POLICY}: with streaming, the least answer likelihood lost by a policy that reads no "
+            "attention weights (docs/choosing.md)"
+            + "".join(f"; on {o}" for o in own))
+
+
+def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: bool = False, also: str = "",
+                    own_default: bool = False) -> None:
+    """The eviction options. by_engine: the default policy depends on --engine (left None here, resolved by the
+    command with `epikv.policies.default_policy`); also: a policy the default list starts with (a benchmark's
+    reference); own_default: the command sets its own default list (a benchmark's comparison set)."""
+    from ..policies import DEFAULT_POLICY
+
     g = p.add_argument_group("eviction")
     if multi:
-        g.add_argument("--policies", type=policy_list, default=["epikv"], help="comma-separated policy names")
+        said = "" if own_default else f" ({also + ' and ' if also else ''}{default_policy_help(by_engine)})"
+        g.add_argument("--policies", type=policy_list, default=None if by_engine or own_default else [DEFAULT_POLICY],
+                       help=f"comma-separated policy names{said}")
         g.add_argument("--budgets", type=int_list, default=[1024], action=_Given,
                        help="comma-separated cache budgets K")
     else:
-        g.add_argument("--policy", default="epikv", help=f"one of: {', '.join(policy_names())}")
+        g.add_argument("--policy", default=None if by_engine else DEFAULT_POLICY,
+                       help=f"one of: {', '.join(policy_names())}"
+                            + ("" if own_default else f" ({default_policy_help(by_engine)})"))
         g.add_argument("--budget", type=positive_int, default=1024, action=_Given,
                        help="cache budget K (tokens, prompt included; ignored by full, with a warning)")
     g.add_argument("--tau", type=positive_int, default=None, help="eviction interval (default 1: every step)")

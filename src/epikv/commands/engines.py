@@ -10,14 +10,28 @@ from .common import positive_int
 _TORCH_ONLY = {"device": None, "device_map": None, "dtype": None, "attn": None, "prefill_chunk": None}
 
 
-def add_engine_args(p, threads_help: str | None = None) -> None:
-    """--engine and --threads, the same on every command that takes them."""
+THREADS_HELP = ("CPU threads: llama.cpp's (default half the cores available, as llama-cpp-python: its threads spin "
+                "while they wait) or torch's (torch.set_num_threads; default torch's own, one per physical core)")
+FLASH_ATTN = {"auto": None, "on": True, "off": False}  # --flash-attn as the llama.cpp engine takes it
+
+
+def add_flash_attn_arg(g) -> None:
+    g.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto",
+                   help="llama.cpp's flash attention (--engine llama.cpp; default auto: llama.cpp's choice, on for "
+                        "the CPU). With it on and 2+ threads a long context's answer may depend on its batch-mates; "
+                        "off (or --threads 1) makes it batch-invariant")
+
+
+def add_engine_args(p, threads_help: str | None = None, flash_attn: bool = False) -> None:
+    """--engine and --threads, the same on every command that takes them (and --flash-attn where the command passes
+    it to llama.cpp)."""
     g = p.add_argument_group("engine")
     g.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                   help="torch (transformers, default) or llama.cpp (a GGUF: --model smollm2 or a local .gguf file)")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help=threads_help or "CPU threads (llama.cpp's threads, or torch.set_num_threads; default: every "
-                                        "core available)")
+                   help="torch (transformers, default) or llama.cpp (a GGUF: --model smollm2 or a local .gguf file; "
+                        "runs on the CPU only)")
+    g.add_argument("--threads", type=positive_int, default=None, help=threads_help or THREADS_HELP)
+    if flash_attn:
+        add_flash_attn_arg(g)
 
 
 def make_engine(args):
@@ -38,6 +52,9 @@ class TorchEngine:
 
     def __init__(self, args) -> None:
         from .common import load
+
+        refuse_engine_options(args, {"flash_attn": "auto"}, "an option of --engine llama.cpp; the torch engine's "
+                                                           "attention kernel is --attn")
 
         if getattr(args, "threads", None):
             import torch
@@ -93,4 +110,5 @@ class LlamaCppEngine:
     def generate(self, prompt, **kw):
         from ..llamacpp import generate
 
-        return generate(self.gm, prompt, threads=getattr(self.args, "threads", None), **kw)
+        return generate(self.gm, prompt, threads=getattr(self.args, "threads", None),
+                        flash_attn=FLASH_ATTN[getattr(self.args, "flash_attn", "auto")], **kw)

@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="run a --budget larger than the model's trained context (refused otherwise)")
     add_model_args(p)
-    add_engine_args(p)
+    add_engine_args(p, flash_attn=True)
     add_policy_args(p)
     p.set_defaults(run=run)
 
@@ -107,7 +107,8 @@ def run(args) -> int:
     }
     if layers:
         summary["layers"] = layers
-    for key in ("kv_bytes", "kv_mirror_bytes"):  # llama.cpp: its KV cache and epikv's key/value mirror (issue 39)
+    # llama.cpp: its KV cache and epikv's key/value mirror (issue 39), its threads and flash-attention setting
+    for key in ("kv_bytes", "kv_mirror_bytes", "threads", "flash_attn"):
         if st.get(key) is not None:
             summary[key] = st[key]
     if args.json:

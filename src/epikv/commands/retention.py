@@ -36,7 +36,7 @@ def register(sub) -> None:
                         "a time)")
     add_model_args(p)
     add_engine_args(p)
-    add_policy_args(p, multi=True)
+    add_policy_args(p, multi=True, own_default=True)
     p._option_string_actions["--tau"].help = "eviction interval: tokens per chunk fed between evictions (default 16)"
     p._option_string_actions["--policies"].help = (
         "comma-separated policies; a variant POLICY[SETTING=VALUE, ...] (e.g. epikv[reserve=16], the label the report "

@@ -14,6 +14,7 @@ import time
 from ..errors import EpiKVError
 from ..serving.reasoning import PARSERS
 from .common import add_model_args, add_policy_args, load, nonneg_float, positive_int, settings_by_policy
+from .engines import FLASH_ATTN, THREADS_HELP, add_flash_attn_arg
 
 _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -36,12 +37,12 @@ def register(sub) -> None:
                                    "pages. Greedy unless a request asks for sampling (temperature, top_p, top_k, "
                                    "min_p, seed). Needs `pip install 'epikv[serve]'`.")
     add_model_args(p)
-    add_policy_args(p)
+    add_policy_args(p, by_engine=True)
     e = p.add_argument_group("engine")
     e.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
                    help="torch (transformers' continuous batching over a paged cache, default) or llama.cpp (one "
                         "llama.cpp context of --ctx cells shared by up to --sequences sequences; --model smollm2 or "
-                        "a local .gguf file)")
+                        "a local .gguf file; CPU only)")
     g = p.add_argument_group("paged cache (--engine torch)")
     g.add_argument("--page", type=positive_int, default=None,
                    help="tokens per cache page (block); eviction drops whole pages (default 16)")
@@ -59,6 +60,7 @@ def register(sub) -> None:
                         "by all sequences (default for full)")
     c.add_argument("--sequences", type=positive_int, default=None,
                    help="sequences decoded at once, at most (required; up to 256)")
+    add_flash_attn_arg(c)
     p.add_argument("--max-batch-tokens", type=positive_int, default=256,
                    help="tokens per forward pass (prefill chunks + one per decoding request; default 256)")
     h = p.add_argument_group("http")
@@ -66,8 +68,7 @@ def register(sub) -> None:
     h.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
     h.add_argument("--max-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that names none (default 256)")
-    h.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads (torch's, or llama.cpp's: default half the cores)")
+    h.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
     h.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="return the thinking part of chat answers (<think>...</think>) as reasoning_content, "
                         "whole and streamed (default: off, all in content)")
@@ -118,13 +119,18 @@ def run(args) -> int:
     if missing:
         raise EpiKVError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
                          "pip install 'epikv[serve]'")
+    if args.policy is None:
+        from ..policies import default_policy
+
+        args.policy = default_policy("serve-llama.cpp" if args.engine == "llama.cpp" else "serve-torch")
     settings = settings_by_policy(args, [args.policy])[args.policy]  # unknown policy, stray --set: refused here
     from ..policies import REGISTRY
 
     evicts = REGISTRY[args.policy].evicts
     if args.engine == "llama.cpp":
         return _run_llamacpp(args, settings, evicts)
-    given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv)) if v is not None]
+    given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv),
+                            ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn)) if v is not None]
     if given:
         raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
                          "--num-blocks pages of --page tokens")
@@ -235,7 +241,7 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
 
     backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
                            sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
-                           kv=args.kv, **settings)
+                           kv=args.kv, flash_attn=FLASH_ATTN[args.flash_attn], **settings)
     sock = None
     server = None
     try:
@@ -256,6 +262,8 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
         what = args.policy + (f" K={backend.budget}" if backend.budget else "")
         cells = (f"{args.sequences} streams of {backend.stream_cells} cells" if backend.streams else
                  f"{backend.cells} cells, {args.sequences} sequences")
+        kv = backend.n_ctx * eng.gm.kv_bytes_per_cell(backend.type_kv)
+        cells += f", KV cache {kv / 2**20:.1f} MiB" if kv > 0 else ""
         _http(args, server, sock, f"llama.cpp, model {args.model}, {what}, {cells}")
     finally:
         if server is not None:

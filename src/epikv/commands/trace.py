@@ -30,8 +30,10 @@ def register(sub) -> None:
     p.add_argument("--html", type=out_file, help="write an HTML view here")
     p.add_argument("--png", type=png_file, help="write a PNG plot here (a .png file)")
     add_model_args(p)
-    add_policy_args(p)
-    p.set_defaults(run=run, budget=256)
+    add_policy_args(p, own_default=True)
+    # its own default: the trace shows the score a token gets on arrival, and epikv-seg-q (the default elsewhere)
+    # evicts by a query relevance computed at eviction time, which no arrival score shows
+    p.set_defaults(run=run, budget=256, policy="epikv")
 
 
 def run(args) -> int:

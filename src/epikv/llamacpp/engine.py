@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import EpiKVError
-from ..policies import Policy, get_policy
+from ..policies import DEFAULT_POLICY, Policy, get_policy
 from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
@@ -38,6 +38,7 @@ from .sequence import CellCounter, SequenceCache
 # mirror); the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
              "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key")
+"""The built-in policies llama.cpp runs (exactly those `check_policy` lets through: tests/test_llamacpp.py)."""
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache
 ROPE_TYPE_NORM = 0  # llama_rope_type: RoPE on adjacent channel pairs
@@ -201,7 +202,7 @@ class LlamaDecoder(SequenceCache):
     oracle there). type_kv: "f16" (llama.cpp's default) or "f32"; flash_attn None = llama.cpp's choice.
     """
 
-    def __init__(self, gm: GGUFModel, policy: str | Policy = "epikv", budget: int | None = 1024,
+    def __init__(self, gm: GGUFModel, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024,
                  tau: int | None = None, *, max_tokens: int, threads: int | None = None, n_batch: int = 512,
                  n_ctx: int | None = None, n_seq_max: int = 1, capture: str = "auto", type_kv: str = "f16",
                  flash_attn: bool | None = None, **policy_settings) -> None:
@@ -322,7 +323,7 @@ class _LoopDecoder:
         return {"max_cache_tokens": d.max_tokens, "final_cache_tokens": d.stored(), "evictions": d.evictions}
 
 
-def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy = "epikv", budget: int | None = 1024,
+def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024,
              tau: int | None = None, max_new_tokens: int = 256, sampling=None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, threads: int | None = None,
              on_step=None, seed: int | None = None, allow_beyond_context: bool = False, capture: str = "auto",
@@ -352,6 +353,7 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
                           max_new_tokens=max_new_tokens, eos=tok.eog_ids(), stop=stop, pad_id=tok.pad_token_id,
                           on_step=on_step)
         return run.result([len(ids)], [seed], engine="llama.cpp", threads=dec.threads,
+                          flash_attn={None: "auto", True: "on", False: "off"}[flash_attn],
                           capture=dec.capture.method if dec.capture else None, kv_cells=dec.n_ctx,
                           kv_bytes=dec.kv_bytes(), kv_mirror_bytes=dec.mirror_bytes())
     finally:

@@ -52,6 +52,7 @@ def system_info() -> str:
 
 
 def available() -> bool:
+    """Whether llama-cpp-python is installed and its library loads (the llama.cpp engine can run here)."""
     try:
         load()
         return True

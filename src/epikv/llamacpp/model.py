@@ -222,6 +222,15 @@ def extra_buffer_types() -> bool:
 
 
 def load_gguf(model: str = EMBEDDED) -> GGUFModel:
+    """Load a GGUF model on the CPU (all layers: the llama.cpp engine is CPU-only) with its tokenizer.
+
+    Args:
+        model: "smollm2" (the embedded SmolLM2-135M's GGUF) or a path to a local .gguf file.
+
+    Returns:
+        The model, to pass to `generate`, `LlamaDecoder` or `epikv serve --engine llama.cpp`'s backend; refused in
+        one line (EpiKVError) when the file is missing or not a GGUF, or llama-cpp-python is not installed.
+    """
     L = lib.load()
     ll = L.ll
     path = gguf_path(model)

@@ -37,6 +37,32 @@ REGISTRY: dict[str, type[Policy]] = {
                 KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction,
                 H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm)
 }
+"""Every registered policy class by name (`register_policy` and users' plugins add to it)."""
+
+
+# The default policy of every entry point (`epikv generate` / `eval`, `epikv.generate`, `EpiKVCache`, `press`,
+# `Decoder`, llama.cpp's `generate` and `serve`): a policy that reads no attention weights and loses the least answer
+# likelihood. Evidence: the whole-trace retention run, 28 reasoning traces streamed to their end, answer NLL against
+# random eviction at the same budget (benchmarks/results/retention-full/tau128/results.jsonl for the Seg family,
+# tau16/results.jsonl for the others; read in benchmarks/results/retention-full/retention.md and docs/choosing.md).
+# epikv-seg-q loses less than random at K = 512, 1024 and 2048 (-0.024 nats/token at K = 1024, 19 of 28 traces); the
+# paper's flat score `epikv` loses more (+0.104, 3 of 28), so it stays available by name but is not the default.
+# streaming is as good within the intervals (mean -0.022 / -0.029 / -0.003 at K = 512 / 1024 / 2048 against
+# epikv-seg-q's -0.002 / -0.024 / -0.006); h2o and tova measured a little better but read attention weights (eager
+# attention; llama.cpp and the paged server refuse them). tests/test_defaults.py checks these claims on the raw files.
+DEFAULT_POLICY = "epikv-seg-q"
+"""The policy every entry point runs when none is named (where an entry point refuses it: ENTRY_DEFAULTS)."""
+# Entry points that refuse DEFAULT_POLICY (their check: epikv.support), each with the best measured policy it runs,
+# from the same raw files: the torch paged server serves only token policies with the page rule that read no
+# queries, and of those streaming lost the least (-0.029 nats/token against random at K = 1024).
+ENTRY_DEFAULTS: dict[str, str] = {"serve-torch": "streaming"}
+"""Entry point (epikv.support.ENTRY_POINTS' keys) -> its own default, where it refuses DEFAULT_POLICY."""
+
+
+def default_policy(entry: str | None = None) -> str:
+    """The policy an entry point uses when none is named: DEFAULT_POLICY, or where that entry point refuses it the
+    one in ENTRY_DEFAULTS (keys: epikv.support.ENTRY_POINTS' keys; None: the torch engine)."""
+    return ENTRY_DEFAULTS.get(entry, DEFAULT_POLICY) if entry else DEFAULT_POLICY
 
 
 def policy_names() -> list[str]:
@@ -180,5 +206,5 @@ def load_policy_plugins() -> None:
         _loaded_plugins.add(label)
 
 
-__all__ = ["REGISTRY", "CacheView", "Observes", "Policy", "StepObservation", "get_policy", "policy_class",
+__all__ = ["DEFAULT_POLICY", "ENTRY_DEFAULTS", "REGISTRY", "CacheView", "default_policy", "Observes", "Policy", "StepObservation", "get_policy", "policy_class",
            "load_policy_plugins", "policy_names", "register_policy", "select_keep"]

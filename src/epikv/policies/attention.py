@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from .._lazy import torch
 
 from .base import Observes, Policy, StepObservation, pool_query_heads
 

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
+from .._lazy import torch
 
 from ..errors import EpiKVError
 from .pages import page_keep, page_overflow
@@ -20,17 +20,22 @@ from .pages import page_keep, page_overflow
 class Observes:
     """What a policy reads; the cache captures only this."""
 
-    hidden_layers: tuple[int, ...] = ()  # outputs of these decoder blocks (hidden_states[l + 1] in HF terms)
-    attention_layers: tuple[int, ...] = ()  # softmax attention weights of these layers (forces eager attention)
-    keys_values: bool = False  # the cached keys / values at eviction time
-    # the keys / values of the tokens just written, in on_tokens only: a statistic taken on arrival (keys and values
-    # never change once cached), so the cache may still refill its holes at eviction (see EpiKVCache)
+    hidden_layers: tuple[int, ...] = ()
+    """Outputs of these decoder blocks (hidden_states[l + 1] in HF terms)."""
+    attention_layers: tuple[int, ...] = ()
+    """Softmax attention weights of these layers (forces eager attention)."""
+    keys_values: bool = False
+    """The cached keys / values at eviction time."""
     arriving_kv: bool = False
-    queries: int = 0  # the last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)
-    query_layers: tuple[int, ...] = ()  # the layers whose queries are recomputed; () = every layer
-    # with keys_values / arriving_kv: which of the keys ("k") and values ("v") the policy reads. The torch engine holds
-    # both anyway; the llama.cpp engine captures (and mirrors) only these
+    """The keys / values of the tokens just written, in on_tokens only: a statistic taken on arrival (keys and
+    values never change once cached), so the cache may still refill its holes at eviction (see EpiKVCache)."""
+    queries: int = 0
+    """The last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)."""
+    query_layers: tuple[int, ...] = ()
+    """The layers whose queries are recomputed; () = every layer."""
     kv_parts: str = "kv"
+    """With keys_values / arriving_kv: which of the keys ("k") and values ("v") the policy reads. The torch engine
+    holds both anyway; the llama.cpp engine captures (and mirrors) only these."""
 
     def describe(self) -> str:
         parts = []
@@ -52,61 +57,89 @@ class Observes:
 class StepObservation:
     """What one forward pass over T new tokens showed the policy."""
 
-    hidden: dict[int, torch.Tensor]  # block -> [batch, T, dim] (on that block's device)
-    attentions: dict[int, torch.Tensor]  # layer -> [batch, heads, T, kv_len]
-    valid: torch.Tensor  # [batch, T] bool: real tokens (False for left padding)
-    positions: torch.Tensor  # [batch, T] true positions
-    # token data of the tokens stored before this step ([batch, ..., n_old]); a policy may return a key with
-    # n_old + T entries to replace it (e.g. attention accumulated onto old tokens) instead of n_new to append
+    hidden: dict[int, torch.Tensor]
+    """Block -> [batch, T, dim] (on that block's device)."""
+    attentions: dict[int, torch.Tensor]
+    """Layer -> [batch, heads, T, kv_len]."""
+    valid: torch.Tensor
+    """[batch, T] bool: real tokens (False for left padding)."""
+    positions: torch.Tensor
+    """[batch, T] true positions."""
     stored: dict[str, torch.Tensor] = field(default_factory=dict)
-    n_protect: torch.Tensor | None = None  # [batch] protected real tokens (the prompt when it is protected)
-    in_prompt: torch.Tensor | None = None  # [batch, T] bool: tokens of the first prompt (None: no prompt tokens)
-    kv_heads: int = 0  # KV heads per layer (per-head token data is [batch, layers, kv_heads, n])
-    # Observes.keys_values: per layer the stored keys / values [batch, kv_heads, n_old + T, head_dim], the T new
-    # tokens last (views, do not modify): what a score computed at arrival reads. On a hybrid model only its
-    # full-attention layers are listed (sliding-window layers hold their window, are never evicted).
-    # Observes.arriving_kv alone: the T new tokens only, [batch, kv_heads, T, head_dim] (the stored slots may be out
-    # of true order then)
+    """Token data of the tokens stored before this step ([batch, ..., n_old]); a policy may return a key with n_old
+    + T entries to replace it (e.g. attention accumulated onto old tokens) instead of n_new to append."""
+    n_protect: torch.Tensor | None = None
+    """[batch] protected real tokens (the prompt when it is protected)."""
+    in_prompt: torch.Tensor | None = None
+    """[batch, T] bool: tokens of the first prompt (None: no prompt tokens)."""
+    kv_heads: int = 0
+    """KV heads per layer (per-head token data is [batch, layers, kv_heads, n])."""
     keys: list[torch.Tensor] = field(default_factory=list)
+    """Observes.keys_values: per layer the stored keys / values [batch, kv_heads, n_old + T, head_dim], the T new
+    tokens last (views, do not modify): what a score computed at arrival reads. On a hybrid model only its
+    full-attention layers are listed (sliding-window layers hold their window, are never evicted).
+    Observes.arriving_kv alone: the T new tokens only, [batch, kv_heads, T, head_dim] (the stored slots may be out
+    of true order then)."""
     values: list[torch.Tensor] = field(default_factory=list)
+    """The values, as `keys`."""
 
 
 @dataclass
 class CacheView:
     """The cache as a policy sees it at eviction time."""
 
-    length: int  # stored tokens per sequence (physical)
+    length: int
+    """Stored tokens per sequence (physical)."""
     budget: int
-    token_data: dict[str, torch.Tensor]  # per-token tensors aligned with the cache, [batch, ..., length]
-    n_pad: torch.Tensor  # [batch] left-padding slots at the front
-    n_protect: torch.Tensor  # [batch] protected real tokens right after the padding (prompt or sinks)
-    recent: int  # protected newest tokens
-    keys: list[torch.Tensor]  # per layer [batch, kv_heads, length, head_dim] (views, do not modify); a hybrid
-    values: list[torch.Tensor]  # model's full-attention layers only (its sliding-window layers are never evicted)
+    """K: the tokens a sequence keeps after an eviction."""
+    token_data: dict[str, torch.Tensor]
+    """Per-token tensors aligned with the cache, [batch, ..., length]."""
+    n_pad: torch.Tensor
+    """[batch] left-padding slots at the front."""
+    n_protect: torch.Tensor
+    """[batch] protected real tokens right after the padding (prompt or sinks)."""
+    recent: int
+    """Protected newest tokens."""
+    keys: list[torch.Tensor]
+    """Per layer [batch, kv_heads, length, head_dim] (views, do not modify); a hybrid model's full-attention layers
+    only (its sliding-window layers are never evicted)."""
+    values: list[torch.Tensor]
+    """The values, as `keys`."""
     device: torch.device
-    # Observes.queries > 0: per layer the last w rotated queries [batch, heads, w, head_dim] (the newest last; None
-    # for a layer outside Observes.query_layers) and which of them are real tokens [batch, w]
+    """Where the cache's per-token data lives."""
     queries: list[torch.Tensor] = field(default_factory=list)
+    """Observes.queries > 0: per layer the last w rotated queries [batch, heads, w, head_dim] (the newest last;
+    None for a layer outside Observes.query_layers) and which of them are real tokens [batch, w]."""
     query_valid: torch.Tensor | None = None
+    """[batch, w] bool: which of `queries` are real tokens."""
 
 
 @dataclass
 class Policy:
     """Base of every policy. Subclasses set the class attributes and override the hooks they need."""
 
-    tau: int = 1  # evict when the cache exceeds budget + tau - 1 tokens; 1 = every step
-    recent: int | None = None  # protected newest tokens; None = min(128, budget // 4)
-    protect_prompt: bool = True  # else only the first n_sink tokens are protected
+    tau: int = 1
+    """Evict when the cache exceeds budget + tau - 1 tokens; 1 = every step."""
+    recent: int | None = None
+    """Protected newest tokens; None = min(128, budget // 4)."""
+    protect_prompt: bool = True
+    """Else only the first n_sink tokens are protected."""
     n_sink: int = 4
-    page: int = 0  # > 0: evict whole pages of this many slots, as a paged engine must (policies/pages.py); 0 = tokens
+    """Tokens protected at the start when protect_prompt is False."""
+    page: int = 0
+    """> 0: evict whole pages of this many slots, as a paged engine must (policies/pages.py); 0 = tokens."""
 
     name: ClassVar[str] = ""
+    """The registry name (`--policy NAME`)."""
     paper: ClassVar[str] = ""
-    # reads no attention scores at all: neither attention weights nor query-key products it recomputes (one rule,
-    # checked for every registered policy against what it observes: tests/test_cli.py)
+    """The paper the rule comes from."""
     attention_free: ClassVar[bool] = True
-    granularity: ClassVar[str] = "token"  # "token": one keep set per sequence; "head": per layer and KV head
+    """Reads no attention scores at all: neither attention weights nor query-key products it recomputes (one rule,
+    checked for every registered policy against what it observes: tests/test_cli.py)."""
+    granularity: ClassVar[str] = "token"
+    """'token': one keep set per sequence; 'head': one per layer and KV head; 'layer': one per layer."""
     evicts: ClassVar[bool] = True
+    """False for `full`, which keeps every token."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from .._lazy import torch
 
 from ..signals import HiddenDelta, RollingStats, check_layers, published_pair, scale_band, scale_layer
 from .base import CacheView, Observes, Policy, StepObservation, check_window_over, window_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from .._lazy import torch
 
 from ..errors import EpiKVError
 from ..signals import RollingStats

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from .._lazy import torch
 
 from ..signals import lag_normalised_spread
 from .base import CacheView, Observes

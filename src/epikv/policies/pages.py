@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
+from .._lazy import torch
 
 from ..errors import EpiKVError
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from .._lazy import torch
 
 from .base import Policy
 

@@ -4,8 +4,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-import torch.nn.functional as F
+from .._lazy import torch
+from .._lazy import F
 
 from ..errors import EpiKVError
 from .base import CacheView, Observes, Policy

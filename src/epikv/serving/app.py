@@ -36,6 +36,33 @@ _COMMON = {"model", "max_tokens", "stream", "temperature", "top_p", "top_k", "mi
            "ignore_eos", "stream_options", "frequency_penalty", "presence_penalty"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "stop", "best_of", "suffix"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "stop", "logprobs", "top_logprobs"}
+# What each accepted field does here (docs/serve.md's request table is rendered from these and the sets above):
+# "openai" fields keep OpenAI's meaning within the limits stated; "extra" fields are not in OpenAI's API (vLLM has them)
+FIELD_NOTES = {
+    "model": ("openai", "optional; if given, the served model's name (else 400)"),
+    "prompt": ("openai", "a string, a list of token ids, or a list of one of these (one prompt per request)"),
+    "messages": ("openai", "roles system / user / assistant; content a string or text parts (other part types: 400)"),
+    "max_tokens": ("openai", "default `--max-tokens`; prompt + max_tokens must fit the model's positions"),
+    "max_completion_tokens": ("openai", "as max_tokens (max_tokens wins when both are given)"),
+    "stream": ("openai", "server-sent events, ending with `data: [DONE]`"),
+    "stream_options": ("openai", "`include_usage`: a last event with usage"),
+    "stop": ("openai", "a string or up to 4; the text ends before it"),
+    "temperature": ("openai", "0 or absent: greedy; > 0 samples"),
+    "top_p": ("openai", "in (0, 1]; read only when sampling"),
+    "seed": ("openai", "in [0, 2^63); the same seed gives the same sample; absent: a random one"),
+    "n": ("openai", "only 1"),
+    "user": ("openai", "accepted and not used"),
+    "frequency_penalty": ("openai", "only 0 or absent"),
+    "presence_penalty": ("openai", "only 0 or absent"),
+    "logprobs": ("openai", "only false / 0 / absent"),
+    "top_logprobs": ("openai", "only 0 or absent"),
+    "echo": ("openai", "only false or absent"),
+    "suffix": ("openai", "only absent"),
+    "best_of": ("openai", "only 1 or absent"),
+    "top_k": ("extra", "an integer >= -1 (-1 or 0: off); read only when sampling"),
+    "min_p": ("extra", "in [0, 1]; read only when sampling"),
+    "ignore_eos": ("extra", "generate max_tokens tokens whatever the model's end token (benchmarks)"),
+}
 
 
 class BadRequest(Exception):

@@ -31,13 +31,13 @@ class ServingUnsupported(EpiKVError):
 class ServeSpec:
     """What `start_manager` serves: a policy at page granularity inside transformers' continuous batching.
 
-    policy: a registered policy name ("full" = no eviction); settings: its settings (as `--set`); budget: K tokens
+    policy: a registered policy name ("full" = no eviction; default: `default_policy("serve-torch")`); settings: its settings (as `--set`); budget: K tokens
     kept per request; page: tokens per page, both the policy's page and the paged cache's `page_size`; num_blocks: the
     paged cache's size in pages (required: never the default that sizes it from free memory); max_batch_tokens:
     tokens per forward (a prompt longer than this is prefilled in chunks); recency / tau: the policy's `recent` and
     `tau` (None = the policy's defaults, as in `epikv generate`); cb: other ContinuousBatchingConfig settings."""
 
-    policy: str = "epikv"
+    policy: str = field(default_factory=lambda: _default_policy())
     settings: dict = field(default_factory=dict)
     budget: int | None = 512
     page: int = 16
@@ -46,6 +46,12 @@ class ServeSpec:
     recency: int | None = None
     tau: int | None = None
     cb: dict = field(default_factory=dict)
+
+
+def _default_policy() -> str:
+    from ..policies import default_policy
+
+    return default_policy("serve-torch")  # the paged server refuses epikv-seg-q: its own default (ENTRY_DEFAULTS)
 
 
 def _positive_int(name: str, v) -> None:

@@ -45,6 +45,7 @@ import torch
 
 from ..errors import EpiKVError
 from ..llamacpp import lib
+from ..policies import DEFAULT_POLICY
 from ..llamacpp.engine import KV_DTYPES, all_outputs, attn_plan, checked_policy, default_threads, make_context
 from ..llamacpp.model import GGUFModel
 from ..llamacpp.sequence import SequenceCache
@@ -88,7 +89,7 @@ class LlamaBackend(Backend):
     per_request_eos = True
     capacity_flags = "--ctx"
 
-    def __init__(self, gm: GGUFModel, policy="epikv", budget: int | None = 1024, tau: int | None = None, *,
+    def __init__(self, gm: GGUFModel, policy=DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None, *,
                  ctx: int | None = None, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
                  spare_sequences: int = 0, kv: str | None = None, **policy_settings) -> None:
