@@ -116,6 +116,7 @@ class Server:
         self.counters = Counters()
         self.per_request_eos = backend.per_request_eos
         self.draining = False
+        self.id_prefix = "http"  # request ids: <prefix>-<n>-<random> (a Ray Serve replica adds its id)
         self.drain_deadline: float | None = None  # time.monotonic() at which the drain ends open requests
         self._pending: dict[str, _Pending] = {}
         self._done_times: collections.deque = collections.deque(maxlen=256)  # recent completions, for Retry-After
@@ -216,7 +217,7 @@ class Server:
     def submit(self, input_ids: list[int], max_tokens: int, *, sampling: Sampling | None, seed: int,
                ignore_eos: bool) -> tuple[str, asyncio.Queue]:
         self.admit()
-        rid = f"http-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        rid = f"{self.id_prefix}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:  # registered before the engine can answer
             self._pending[rid] = _Pending(asyncio.get_running_loop(), q, time.perf_counter(), len(input_ids))
@@ -387,8 +388,9 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 # ---------------------------------------------------------------------- the app
-def build_app(server: Server):
-    """The FastAPI application over `server`."""
+def build_app(server: Server, extra_stats=None, headers: dict | None = None):
+    """The FastAPI application over `server`. extra_stats: a function whose dict /stats adds (a Ray Serve replica:
+    every replica's figures); headers: added to /stats and /metrics (a replica's id)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -420,13 +422,16 @@ def build_app(server: Server):
 
     @app.get("/stats")
     async def stats():
-        return server.stats()
+        out = server.stats()
+        if extra_stats is not None:
+            out.update(await asyncio.to_thread(extra_stats))
+        return JSONResponse(out, headers=headers)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST, headers=headers)
 
     async def handle(request: Request, chat: bool):
         try:
