@@ -179,3 +179,30 @@ def test_sigterm_drains_every_replica(ray_served):
     rc = s.proc.wait(120)
     err = "".join(s.err)
     assert rc == 0 and "epikv serve: stopped" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--replicas", "2"], "--replicas is an option of --ray"),
+    (["--ray", "--replicas", "2", "--max-replicas", "3"], "a fixed count or the autoscaling's bounds"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
+    (["--ray", "--min-replicas", "2"], "--min-replicas needs --max-replicas"),
+])
+def test_replica_options_refused_in_one_line(argv, needle):
+    from test_serving_http import _cli
+
+    r = _cli("serve", *SERVE, *argv)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_autoscaling_options():
+    import argparse
+
+    from epikv.serving.ray_serve import deployment_options
+
+    ns = dict(replicas=None, min_replicas=1, max_replicas=4, sequences=8, drain_timeout=30.0)
+    auto = deployment_options(argparse.Namespace(**ns))["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 4)
+    fixed = deployment_options(argparse.Namespace(**dict(ns, min_replicas=None, max_replicas=None, replicas=3)))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] > 100  # the app admits (429), not Serve's queue
