@@ -3,7 +3,8 @@ machine, the single server and Ray Serve with 1 and 2 replicas, one after the ot
 engine options and --max-waiting in each. Per stage of the rate: requests, p50 / p95 / p99 latency, p50 / p95 time
 to first token, tokens/s, errors, 429s; and the stage at which 429s begin.
 
-    python benchmarks/load_serve.py --out benchmarks/results/serve/load
+    pip install -e '.[load,ray,serve]'
+    python benchmarks/load_serve.py --out benchmarks/results/serve/load --stage-s 15 --users 1,2,4,8,16
 
 On a machine of 2 cores shared with other work the replicas compete for the same cores: two cannot raise the
 throughput here; the per-replica figures (the 1-replica row) are what a machine with a core set per replica would
