@@ -304,6 +304,38 @@ def serve_sampled() -> str:
                         "SmolLM2 on the CPU, 232 pages of 16, 12 x 768 tokens, sampled (T 0.6, top-p 0.95)")
 
 
+def serve_load() -> str:
+    rel = "serve/load/load.json"
+    d = load_json(rel)
+    head = ["config", "users (~req/s offered)", "answered", "answered/s", "p50 s", "p95 s", "p99 s", "TTFT p50 s",
+            "TTFT p95 s", "tokens/s", "429", "errors"]
+    rows = [[r["config"], s["users"], s["ok"], s["ok_per_s"], s["p50_s"], s["p95_s"], s["p99_s"], s["ttft_p50_s"],
+             s["ttft_p95_s"], s["tokens_per_s"], s["429"], s["errors"]] for r in d["results"] for s in r["stages"]]
+    onset = ", ".join(f"{r['config']} at {r['429_from_users']} users" for r in d["results"])
+    return (table(head, rows) + f"\n\n429s begin: {onset}. A machine with os.cpu_count() {d['nproc']}, shared with "
+            "other agents' work during the run.\n\n" + source_line([rel], d["command"]))
+
+
+def serve_fuzz() -> str:
+    files = ["serve/fuzz/torch.json", "serve/fuzz/llamacpp.json"]
+    t, l = load_json(files[0]), load_json(files[1])
+    head = ["schemathesis from /openapi.json", "torch engine", "llama.cpp engine"]
+
+    def statuses(d, route):
+        return ", ".join(f"{k}: {v}" for k, v in d["statuses"][route].items())
+
+    rows = [["examples per route and mode", t["examples"], l["examples"]], ["requests sent", t["cases"], l["cases"]],
+            ["POST /v1/completions", statuses(t, "POST /v1/completions"), statuses(l, "POST /v1/completions")],
+            ["POST /v1/chat/completions", statuses(t, "POST /v1/chat/completions"),
+             statuses(l, "POST /v1/chat/completions")],
+            ["failed checks", len(t["failures"]), len(l["failures"])],
+            ["slowest answer (s)", t["slowest_s"], l["slowest_s"]],
+            ["in flight / held when idle", f"{t['idle']['in_flight']} / {t['idle']['held']}",
+             f"{l['idle']['in_flight']} / {l['idle']['held']}"],
+            ["health after", t["health"]["status"], l["health"]["status"]], ["exit", t["server_exit"], l["server_exit"]]]
+    return table(head, rows) + "\n\n" + source_line(files, t["command"] + "; " + l["command"])
+
+
 def soak() -> str:
     files = ["serve/soak/figures.json", "serve/soak/llamacpp.json"]
     t, l = load_json(files[0]), load_json(files[1])
@@ -812,6 +844,8 @@ RENDERERS = {
     "llamacpp-retention": llamacpp_retention,
     "serve-llama-server": serve_llama_server,
     "soak": soak,
+    "serve-load": serve_load,
+    "serve-fuzz": serve_fuzz,
     "serve-h200": serve_h200,
     "serve-sampled": serve_sampled,
     "bench-long": bench_long,

@@ -454,3 +454,37 @@ def test_bench_percentiles_count_cut_requests_with_their_time_so_far():
     assert "| >= 9.0 |" not in text and "3.0 / >= 9.0 |" in text
     assert "| 5.33 |" in text and "| 6.0 |" in text  # (4 + 4 + 8) / 3 and 18 / 3 over the same 3 s
     assert "KV MiB" in text and "| 1.0 |" in text and "equal for every row" in text
+
+
+def test_client_leaving_mid_stream_frees_its_pages(served):
+    """A client that hangs up mid-stream: its request is cancelled in the engine and its pages return at once (it
+    asked for 8,000 tokens, minutes of work on this engine), the server's counters say cancelled, and the next
+    request is answered."""
+    import http.client
+
+    before = served.get("/stats")
+    host = served.url.split("//")[1]
+    c = http.client.HTTPConnection(host, timeout=60)
+    c.request("POST", "/v1/completions", body=json.dumps({
+        "model": MODEL, "prompt": "A long answer", "max_tokens": 8000, "stream": True, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    try:
+        for _ in range(3):  # three events: the request runs and holds pages
+            assert r.readline().startswith(b"data: ")
+            r.readline()
+        st = served.get("/stats")
+    finally:
+        c.close()
+    assert st["http"]["in_flight"] == 1 and st["engine"]["pages_in_use"] > 0
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        st = served.get("/stats")
+        if not st["http"]["in_flight"] and not st["engine"]["pages_in_use"]:
+            break
+        time.sleep(0.1)
+    assert st["http"]["in_flight"] == 0 and st["engine"]["pages_in_use"] == 0, st
+    assert st["http"]["cancelled"] == before["http"]["cancelled"] + 1
+    assert st["http"]["completion_tokens"] == before["http"]["completion_tokens"]  # not counted as an answer
+    assert served.client.completions.create(model=MODEL, prompt="next", max_tokens=4).choices[0].finish_reason

@@ -84,6 +84,17 @@ def register(sub) -> None:
                         "stops at once)")
     h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
+    r = p.add_argument_group("Ray Serve (--ray)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: its HTTP proxy routes each request to one of several replicas, "
+                        "each one engine with its own cache (needs `pip install 'epikv[ray,serve]'`)")
+    r.add_argument("--replicas", type=positive_int, default=None, help="replicas (default 1; or autoscale with "
+                   "--min-replicas / --max-replicas)")
+    r.add_argument("--min-replicas", type=positive_int, default=None,
+                   help="autoscale by ongoing requests between this many replicas and --max-replicas")
+    r.add_argument("--max-replicas", type=positive_int, default=None, help="the autoscaling's upper bound")
+    r.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: start a local instance")
     p.set_defaults(run=run)
 
 
@@ -110,6 +121,34 @@ def _max_positions(model) -> int | None:
 
 
 def run(args) -> int:
+    if getattr(args, "ray", False):
+        from ..serving.ray_serve import run_ray
+
+        return run_ray(args)
+    for flag, v in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
+                    ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address)):
+        if v is not None:
+            raise EpiKVError(f"{flag} is an option of --ray (Ray Serve replicas)")
+    start = prepare(args)
+    sock = _bind(args.host, args.port)  # after the refusals and the model's load, before the engine starts
+    try:
+        server, stop, banner = start()
+        try:
+            _http(args, server, sock, banner)
+        finally:
+            server.close()
+            _ignore_signals()  # a second signal during the stop should not leave a traceback
+            stop()
+    finally:
+        sock.close()
+    print("epikv serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def prepare(args):
+    """Refuse bad options (EpiKVError, one line) and load the model; returns start() -> (server, stop, banner):
+    the engine started and the app's Server on it, a function that stops the engine, and a line that says what is
+    served. `epikv serve` binds its port between the two; a Ray Serve replica calls both in its constructor."""
     missing = []
     for m in _NEEDS:
         try:
@@ -128,7 +167,7 @@ def run(args) -> int:
 
     evicts = REGISTRY[args.policy].evicts
     if args.engine == "llama.cpp":
-        return _run_llamacpp(args, settings, evicts)
+        return _prepare_llamacpp(args, settings, evicts)
     given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv),
                             ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn)) if v is not None]
     if given:
@@ -150,14 +189,10 @@ def run(args) -> int:
                      tau=args.tau)
     lm = load(args)
     check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
-    sock = _bind(args.host, args.port)
-    try:
-        return _serve(args, lm, spec, sock, evicts, start_manager, eos_ids)
-    finally:
-        sock.close()
+    return lambda: _start_torch(args, lm, spec, evicts, start_manager, eos_ids)
 
 
-def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
+def _start_torch(args, lm, spec, evicts, start_manager, eos_ids):
     from transformers import GenerationConfig
 
     from ..serving.app import Server
@@ -169,7 +204,6 @@ def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
     gc = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos or -1, pad_token_id=pad)
     capacity = args.num_blocks * args.page
     manager = start_manager(lm.model, spec, gc)
-    server = None
     try:
         # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
         # budget keeps the rest within K)
@@ -183,14 +217,12 @@ def _serve(args, lm, spec, sock, evicts, start_manager, eos_ids) -> int:
                               "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
                               "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})
-        what = f"{spec.policy}" + (f" K={spec.budget}" if spec.budget else "")
-        _http(args, server, sock, f"model {args.model}, {what}, page {spec.page}, {spec.num_blocks} blocks")
-    finally:
-        if server is not None:
-            server.close()
+    except BaseException:
         _stop_manager(manager)
-    print("epikv serve: stopped", file=sys.stderr, flush=True)
-    return 0
+        raise
+    what = f"{spec.policy}" + (f" K={spec.budget}" if spec.budget else "")
+    return server, lambda: _stop_manager(manager), f"model {args.model}, {what}, page {spec.page}, " \
+                                                   f"{spec.num_blocks} blocks"
 
 
 def _http(args, server, sock, banner: str) -> None:
@@ -220,7 +252,7 @@ def _http(args, server, sock, banner: str) -> None:
     userver.run(sockets=[sock])
 
 
-def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
+def _prepare_llamacpp(args, settings: dict, evicts: bool):
     """`epikv serve --engine llama.cpp`: the same app on LlamaBackend (epikv.serving.llamacpp)."""
     given = [f for f, v in (("--num-blocks", args.num_blocks), ("--page", args.page)) if v is not None]
     if given:
@@ -232,20 +264,22 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
     if missing:
         raise EpiKVError(f"--engine llama.cpp needs {' and '.join(missing)} (KV cells of the one context, and the "
                          "sequences decoded at once)")
-    from ..serving.app import Server
     from .engines import LlamaCppEngine
 
     eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF: refused here in one line
-    from ..llamacpp import lib
     from ..serving.llamacpp import LlamaBackend
 
     backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
                            sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
                            kv=args.kv, flash_attn=FLASH_ATTN[args.flash_attn], **settings)
-    sock = None
-    server = None
+    return lambda: _start_llamacpp(args, settings, evicts, eng, backend)
+
+
+def _start_llamacpp(args, settings, evicts, eng, backend):
+    from ..llamacpp import lib
+    from ..serving.app import Server
+
     try:
-        sock = _bind(args.host, args.port)
         tok = eng.gm.tokenizer
         server = Server(backend, tok, model_name=args.model, eos=tok.eog_ids(), default_max_tokens=args.max_tokens,
                         max_positions=eng.gm.n_ctx_train or None, prompt_limit=backend.cells if evicts else None,
@@ -259,20 +293,15 @@ def _run_llamacpp(args, settings: dict, evicts: bool) -> int:
                               "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
                               "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
                               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}})
-        what = args.policy + (f" K={backend.budget}" if backend.budget else "")
-        cells = (f"{args.sequences} streams of {backend.stream_cells} cells" if backend.streams else
-                 f"{backend.cells} cells, {args.sequences} sequences")
-        kv = backend.n_ctx * eng.gm.kv_bytes_per_cell(backend.type_kv)
-        cells += f", KV cache {kv / 2**20:.1f} MiB" if kv > 0 else ""
-        _http(args, server, sock, f"llama.cpp, model {args.model}, {what}, {cells}")
-    finally:
-        if server is not None:
-            server.close()
+    except BaseException:
         _stop_manager(backend)
-        if sock is not None:
-            sock.close()
-    print("epikv serve: stopped", file=sys.stderr, flush=True)
-    return 0
+        raise
+    what = args.policy + (f" K={backend.budget}" if backend.budget else "")
+    cells = (f"{args.sequences} streams of {backend.stream_cells} cells" if backend.streams else
+             f"{backend.cells} cells, {args.sequences} sequences")
+    kv = backend.n_ctx * eng.gm.kv_bytes_per_cell(backend.type_kv)
+    cells += f", KV cache {kv / 2**20:.1f} MiB" if kv > 0 else ""
+    return server, lambda: _stop_manager(backend), f"llama.cpp, model {args.model}, {what}, {cells}"
 
 
 def _drain(server, userver, timeout: float) -> None:
@@ -315,10 +344,12 @@ def _QuietServer(cfg):
     return _server_class()(cfg)
 
 
-def _stop_manager(manager) -> None:
-    # a second signal during the stop should not leave a traceback
+def _ignore_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _stop_manager(manager) -> None:
     try:
         manager.stop(block=True, timeout=10)
     except Exception as e:  # already stopped or crashed: nothing left to release

@@ -30,12 +30,12 @@ from ..errors import EpiKVError
 from ..stops import StopStream
 from .backend import Backend, Output
 from .reasoning import ReasoningSplit
+from .schema import ChatCompletionRequest, CompletionRequest
 
-# Body fields read by each endpoint; any other field is refused by name (a silently ignored option is a wrong answer).
-_COMMON = {"model", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "n", "seed", "user",
-           "ignore_eos", "stream_options", "frequency_penalty", "presence_penalty"}
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "stop", "best_of", "suffix"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "stop", "logprobs", "top_logprobs"}
+# Body fields read by each endpoint, as the request models (schema.py) declare them; any other field is refused by
+# name (a silently ignored option is a wrong answer)
+_COMPLETION_FIELDS = frozenset(CompletionRequest.model_fields)
+_CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 # What each accepted field does here (docs/serve.md's request table is rendered from these and the sets above):
 # "openai" fields keep OpenAI's meaning within the limits stated; "extra" fields are not in OpenAI's API (vLLM has them)
 FIELD_NOTES = {
@@ -73,24 +73,10 @@ class BadRequest(Exception):
         self.param = param
 
 
-def _content_text(i: int, content) -> str:
-    """A message's text: a string, or a list of OpenAI content parts `{"type": "text", "text": ...}` joined in
-    order with newlines (as vLLM joins them); any other part type is refused by name."""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            what = f"part type {kind!r}" if isinstance(kind, str) else "a part that is not {type: text, text: <text>}"
-            raise BadRequest(f"messages[{i}].content[{j}]: {what} is not supported by this text-only server (only "
-                             "text parts)", "messages")
-        if not isinstance(part.get("text"), str):
-            raise BadRequest(f"messages[{i}].content[{j}] must be {{type: text, text: <text>}}", "messages")
-        texts.append(part["text"])
-    if not texts:
-        raise BadRequest(f"messages[{i}].content is an empty list of parts", "messages")
-    return "\n".join(texts)
+def _content_text(content) -> str:
+    """A message's text: a string, or its text parts (validated by schema.Message) joined in order with newlines (as
+    vLLM joins them)."""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 class Busy(Exception):
@@ -164,6 +150,7 @@ class Server:
         self.counters = Counters()
         self.per_request_eos = backend.per_request_eos
         self.draining = False
+        self.id_prefix = "http"  # request ids: <prefix>-<n>-<random> (a Ray Serve replica adds its id)
         self.drain_deadline: float | None = None  # time.monotonic() at which the drain ends open requests
         self._pending: dict[str, _Pending] = {}
         self._done_times: collections.deque = collections.deque(maxlen=256)  # recent completions, for Retry-After
@@ -264,7 +251,7 @@ class Server:
     def submit(self, input_ids: list[int], max_tokens: int, *, sampling: Sampling | None, seed: int,
                ignore_eos: bool) -> tuple[str, asyncio.Queue]:
         self.admit()
-        rid = f"http-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        rid = f"{self.id_prefix}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:  # registered before the engine can answer
             self._pending[rid] = _Pending(asyncio.get_running_loop(), q, time.perf_counter(), len(input_ids))
@@ -339,43 +326,11 @@ class Server:
 
 
 # ---------------------------------------------------------------------- request parsing
-def _int_field(body: dict, name: str, lo: int, default):
-    v = body.get(name, None)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise BadRequest(f"{name} must be an integer >= {lo}, got {v!r}", name)
-    return v
-
-
-def _number(body: dict, name: str, ok, want: str):
-    v = body.get(name, None)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-        raise BadRequest(f"{name} must be {want}, got {v!r}", name)
-    return v
-
-
-def _sampling(body: dict, supported: frozenset) -> tuple[Sampling | None, int]:
+def _sampling(req, supported: frozenset) -> tuple[Sampling | None, int]:
     """The request's sampling (None: greedy, the default) and its seed (a random one when none is given).
-    temperature 0 or left out is greedy, whatever top_p / top_k / min_p say (as model.generate without sampling)."""
-    t = _number(body, "temperature", lambda v: v >= 0, "a number >= 0")
-    p = _number(body, "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
-    k = body.get("top_k", None)
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1):
-        raise BadRequest(f"top_k must be an integer >= -1 (-1 or 0: off), got {k!r}", "top_k")
-    mp = _number(body, "min_p", lambda v: 0 <= v <= 1, "a number in [0, 1]")
-    for name in ("frequency_penalty", "presence_penalty"):
-        v = body.get(name, None)
-        if v not in (None, 0, 0.0):
-            raise BadRequest(f"{name} is not supported by this server (got {v!r}); leave it out or 0", name)
-    n = body.get("n", None)
-    if n not in (None, 1):
-        raise BadRequest(f"n must be 1 (one answer per request), got {n!r}", "n")
-    seed = body.get("seed", None)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise BadRequest(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
+    temperature 0 or left out is greedy, whatever top_p / top_k / min_p say (as model.generate without sampling).
+    Types and ranges were checked by the request model (schema.py); here: what the engine honours."""
+    t, p, k, mp, seed = req.temperature, req.top_p, req.top_k, req.min_p, req.seed
     if not t:  # greedy: every sampling setting and the seed change nothing
         return None, 0
     for name, v, off in (("temperature", t, None), ("top_p", p, 1), ("top_k", k, 0), ("min_p", mp, 0),
@@ -391,79 +346,42 @@ def _sampling(body: dict, supported: frozenset) -> tuple[Sampling | None, int]:
     return sampling, secrets.randbits(63) if seed is None else seed
 
 
-def _stop(body: dict) -> list[str]:
-    s = body.get("stop", None)
-    if s is None:
-        return []
-    if isinstance(s, str):
-        s = [s]
-    if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s) or len(s) > 4:
-        raise BadRequest("stop must be a non-empty string or a list of at most 4 of them", "stop")
-    return s
-
-
 def parse_request(server: Server, body, chat: bool) -> dict:
     """The request as {input_ids, max_tokens, stream, stop, ignore_eos, sampling, seed, reasoning,
-    usage_in_stream}, or BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    extra = sorted(set(body) - allowed)
-    if extra:
-        raise BadRequest(f"unsupported field(s): {', '.join(extra)}", extra[0])
-    model = body.get("model", None)
-    if model is not None and model != server.model_name:
-        raise BadRequest(f"this server serves model {server.model_name!r}, not {model!r}", "model")
-    sampling, seed = _sampling(body, server.backend.sampling_fields)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
-    if ignore_eos and not server.per_request_eos:
+    usage_in_stream}, or BadRequest. `body`: the decoded JSON, validated here by the request model (schema.py);
+    then what depends on the served model and engine."""
+    from .schema import Refused, validate
+
+    try:
+        req = validate(body, chat)
+    except Refused as e:
+        raise BadRequest(str(e), e.param) from None
+    if req.model is not None and req.model != server.model_name:
+        raise BadRequest(f"this server serves model {server.model_name!r}, not {req.model!r}", "model")
+    sampling, seed = _sampling(req, server.backend.sampling_fields)
+    if req.ignore_eos and not server.per_request_eos:
         raise BadRequest("ignore_eos needs a transformers whose continuous batching takes a per-request EOS",
                          "ignore_eos")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix"):
-        if body.get(name) not in (None, False, 0):
-            raise BadRequest(f"{name} is not supported by this server", name)
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest("best_of must be 1", "best_of")
     tok = server.tokenizer
     if chat:
-        max_tokens = _int_field(body, "max_completion_tokens", 1, None)
-        max_tokens = _int_field(body, "max_tokens", 1, max_tokens)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("messages must be a non-empty list", "messages")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), (str, list)):
-                raise BadRequest(f"messages[{i}] must be {{role: system|user|assistant, content: <text>}}",
-                                 "messages")
-            clean.append({"role": m["role"], "content": _content_text(i, m["content"])})
+        max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+        clean = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
         if not getattr(tok, "chat_template", None):
             raise BadRequest(f"model {server.model_name} has no chat template: use /v1/completions")
         text = tok.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
         ids = list(tok(text, add_special_tokens=False)["input_ids"])  # the template holds BOS where wanted
     else:
-        max_tokens = _int_field(body, "max_tokens", 1, None)
-        prompt = body.get("prompt")
+        max_tokens = req.max_tokens
+        prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequest("prompt is empty", "prompt")
             ids = list(tok(prompt)["input_ids"])
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        else:
             vocab = len(tok)
-            if any(x < 0 or x >= vocab for x in prompt):
+            if any(x >= vocab for x in prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
             ids = list(prompt)
-        else:
-            raise BadRequest("prompt must be a string, a list of token ids, or a list of one of these "
-                             "(one prompt per request)", "prompt")
     if not ids:
         raise BadRequest("the prompt encodes to no tokens", "prompt")
     max_tokens = server.default_max_tokens if max_tokens is None else max_tokens
@@ -480,10 +398,11 @@ def parse_request(server: Server, body, chat: bool) -> dict:
         flags = getattr(server.backend, "capacity_flags", "its capacity")
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the {server.total_limit} "
                          f"tokens one request may hold in this server's cache ({flags})", "max_tokens")
-    return {"input_ids": ids, "max_tokens": max_tokens, "stream": stream, "stop": _stop(body),
-            "ignore_eos": ignore_eos, "sampling": sampling, "seed": seed,
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return {"input_ids": ids, "max_tokens": max_tokens, "stream": req.stream, "stop": stop,
+            "ignore_eos": req.ignore_eos, "sampling": sampling, "seed": seed,
             "reasoning": chat and server.reasoning_parser is not None,
-            "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage"))}
+            "usage_in_stream": bool(req.stream_options and req.stream_options.include_usage)}
 
 
 # ---------------------------------------------------------------------- text bookkeeping
@@ -503,19 +422,25 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 # ---------------------------------------------------------------------- the app
-def build_app(server: Server):
-    """The FastAPI application over `server`."""
+def build_app(server: Server, extra_stats=None, headers: dict | None = None):
+    """The FastAPI application over `server`. extra_stats: a function whose dict /stats adds (a Ray Serve replica:
+    every replica's figures); headers: added to /stats and /metrics (a replica's id)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-    app = FastAPI(title="epikv serve", docs_url=None, redoc_url=None, openapi_url=None)
+    from .. import __version__
+    from . import schema
+
+    app = FastAPI(title="epikv serve", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app, server)
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
               headers: dict | None = None):
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
                             status_code=status, headers=headers)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": schema.Health}, 503: _ERR})
     async def health():
         if not server.healthy():
             return error(503, "the generation loop is not running", kind="server_error")
@@ -524,20 +449,23 @@ def build_app(server: Server):
                          headers={"Retry-After": str(server.drain_left())})
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": schema.ModelList}})
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                             "created": int(server.counters.started), "owned_by": "epikv"}]}
 
     @app.get("/stats")
     async def stats():
-        return server.stats()
+        out = server.stats()
+        if extra_stats is not None:
+            out.update(await asyncio.to_thread(extra_stats))
+        return JSONResponse(out, headers=headers)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST, headers=headers)
 
     async def handle(request: Request, chat: bool):
         try:
@@ -568,15 +496,87 @@ def build_app(server: Server):
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(server, rid, q, req, meta, chat, n_prompt, error)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, openapi_extra=_body("CompletionRequest"),
+              responses=_answers("CompletionResponse", "CompletionChunk"))
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_body("ChatCompletionRequest"),
+              responses=_answers("ChatCompletionResponse", "ChatCompletionChunk"))
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
     return app
+
+
+_ERR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+
+def _body(name: str) -> dict:
+    """The request body of a POST route: the request model (validated by parse_request, not by FastAPI, so that a
+    refusal keeps the OpenAI error shape and names its field)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _answers(whole: str, chunk: str) -> dict:
+    ref = "#/components/schemas/"
+    return {200: {"description": "the answer; with stream: true, server-sent events (`data: <chunk>` each, an error "
+                                 "object as the last event if it fails midway, then `data: [DONE]`)",
+                  "content": {"application/json": {"schema": {"$ref": ref + whole}},
+                              # one server-sent event (OpenAPI < 3.2: `schema` describes each event); its data
+                              # is a chunk, an error object, or [DONE]
+                              "text/event-stream": {"schema": {
+                                  "type": "object", "required": ["data"],
+                                  "properties": {"data": {"anyOf": [
+                                      {"const": "[DONE]"},
+                                      {"type": "string", "contentMediaType": "application/json",
+                                       "contentSchema": {"anyOf": [{"$ref": ref + chunk},
+                                                                   {"$ref": ref + "ErrorResponse"}]}}]}}}}}},
+            400: {**_ERR, "description": "a refused request: the field it names in error.param"},
+            429: {**_ERR, "description": "--max-waiting requests wait for their first token (Retry-After)"},
+            500: {**_ERR, "description": "the engine failed the request"},
+            503: {**_ERR, "description": "draining after SIGTERM (Retry-After), or the engine is not running"},
+            504: {**_ERR, "description": "--request-timeout passed"}}
+
+
+def _openapi(app, server: Server) -> dict:
+    """FastAPI's document with the request, response, chunk and error models of schema.py in its components, and what
+    this server adds to the models' ranges: the one model name it serves, token ids below its vocabulary's size."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+
+    from . import schema
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="An OpenAI-compatible server with eviction inside continuous batching (epikv).")
+    models = [(m, "validation") for m in (schema.CompletionRequest, schema.ChatCompletionRequest)]
+    models += [(m, "serialization") for m in (schema.CompletionResponse, schema.ChatCompletionResponse,
+                                              schema.CompletionChunk, schema.ChatCompletionChunk,
+                                              schema.ErrorResponse, schema.ModelList, schema.Health)]
+    _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    comps.update(defs.get("$defs", {}))
+    vocab = len(server.tokenizer) if server.tokenizer is not None else None
+
+    def below_vocab(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and vocab:
+                node["maximum"] = vocab - 1
+            for v in node.values():
+                below_vocab(v)
+        elif isinstance(node, list):
+            for v in node:
+                below_vocab(v)
+
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        comps[name]["properties"]["model"]["anyOf"] = [{"type": "string", "enum": [server.model_name]},
+                                                       {"type": "null"}]
+    below_vocab(comps["CompletionRequest"]["properties"]["prompt"])
+    app.openapi_schema = doc
+    return doc
 
 
 def _failed(out) -> bool:

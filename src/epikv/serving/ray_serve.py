@@ -1,0 +1,228 @@
+"""`epikv serve --ray`: the same OpenAI routes served by Ray Serve, N replicas of either engine.
+
+Ray Serve's own pieces do the serving: one deployment (`EngineReplica`, an ingress deployment whose ASGI app is
+`app.build_app` over the replica's own engine and cache, built in the replica), its HTTP proxy (which routes each
+request to the replica with fewer ongoing requests of two it samples), `num_replicas` or an `autoscaling_config`
+(between --min-replicas and --max-replicas by ongoing requests), and its replica health checks (`check_health`:
+a replica whose engine stopped is replaced; a replica whose process dies is restarted by the controller; requests in
+flight on it end with an error at the client, the others are unaffected).
+
+What the single server does, each replica does for its own requests: 429 with Retry-After past --max-waiting (the
+proxy picks the less loaded replica, so a 429 comes when the replicas sampled are full), --request-timeout, and the
+drain: on SIGTERM the command sets a flag every replica reads within half a second (`_Registry`, a named Ray actor),
+so each answers 503 with Retry-After to new requests and lets its requests in flight finish (up to --drain-timeout),
+then Serve is shut down. /stats is the answering replica's, with every replica's latest figures under "replicas"
+(each reports every half second), keyed by replica id; /metrics is the answering replica's (its id in the
+X-Epikv-Replica header); answer ids carry the replica id.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from ..errors import EpiKVError
+
+APP = "epikv"
+REGISTRY = "epikv-serve-registry"
+NAMESPACE = "epikv-serve"
+REPORT_S = 0.5  # how often a replica reports its figures and reads the drain flag
+
+
+class _Registry:
+    """A named Ray actor: every replica's latest /stats (by replica id) and the drain flag."""
+
+    def __init__(self):
+        self.replicas: dict[str, tuple[float, dict]] = {}
+        self.drain: float | None = None
+
+    def report(self, replica: str, stats: dict):
+        self.replicas[replica] = (time.time(), stats)
+        return self.drain
+
+    def forget(self, replica: str):
+        self.replicas.pop(replica, None)
+
+    def all(self, max_age: float = 5 * REPORT_S) -> dict:
+        now = time.time()
+        return {r: st for r, (t, st) in sorted(self.replicas.items()) if now - t < max_age}
+
+    def set_drain(self, timeout: float):
+        self.drain = timeout
+
+
+class EngineReplica:
+    """One engine (either kind, as `epikv serve` builds it from the same options) with its own cache, behind the
+    app of serving/app.py; Ray Serve wraps it as an ingress deployment."""
+
+    def __init__(self, options: dict):
+        import argparse
+
+        import ray
+        from ray import serve
+
+        from ..commands.serve import prepare
+
+        args = argparse.Namespace(**options)
+        self.server, self._stop_engine, self.banner = prepare(args)()
+        ctx = serve.get_replica_context()
+        rid = getattr(ctx, "replica_id", None)
+        self.replica = str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", os.getpid()))
+        self.server.info.update(replica=self.replica, pid=os.getpid())
+        self.server.id_prefix = f"http-{self.replica}"
+        self.registry = ray.get_actor(REGISTRY, namespace=NAMESPACE)
+        self._stopped = threading.Event()
+        threading.Thread(target=self._report, name="epikv-replica-report", daemon=True).start()
+
+    def _report(self) -> None:
+        import ray
+
+        while not self._stopped.wait(REPORT_S):
+            try:
+                drain = ray.get(self.registry.report.remote(self.replica, self.server.stats()), timeout=5)
+            except Exception:  # the registry is gone (Serve shutting down): keep serving what is open
+                continue
+            if drain is not None and not self.server.draining:
+                self.server.start_drain(drain)
+
+    def __serve_build_asgi_app__(self):
+        import ray
+
+        from .app import build_app
+
+        def replicas() -> dict:
+            try:
+                return {"replicas": ray.get(self.registry.all.remote(), timeout=5)}
+            except Exception as e:  # noqa: BLE001 (stats must never fail the request)
+                return {"replicas": {"error": f"{type(e).__name__}: {e}"}}
+
+        return build_app(self.server, extra_stats=replicas, headers={"X-Epikv-Replica": self.replica})
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine stopped is replaced."""
+        if not self.server.healthy():
+            raise RuntimeError(f"replica {self.replica}: the generation loop is not running")
+
+    def __del__(self):
+        stopped = getattr(self, "_stopped", None)
+        if stopped is None or stopped.is_set():
+            return
+        stopped.set()
+        try:
+            self.registry.forget.remote(self.replica)
+        except Exception:  # noqa: BLE001
+            pass
+        self.server.close()
+        self._stop_engine()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def deployment_options(args) -> dict:
+    """Ray Serve's options for the deployment: replicas or autoscaling, a high max_ongoing_requests (the app does
+    its own admission: 429 past --max-waiting), health checks, and the drain's grace period."""
+    auto = args.min_replicas is not None or args.max_replicas is not None
+    if auto and args.replicas is not None:
+        raise EpiKVError("--replicas and --min-replicas / --max-replicas: give a fixed count or the autoscaling's "
+                         "bounds, not both")
+    opts = {"max_ongoing_requests": 1024, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+            "graceful_shutdown_timeout_s": float(args.drain_timeout) + 5.0, "graceful_shutdown_wait_loop_s": 0.5,
+            "ray_actor_options": {"num_cpus": 1}}
+    if auto:
+        lo = args.min_replicas or 1
+        hi = args.max_replicas
+        if hi is None:
+            raise EpiKVError("--min-replicas needs --max-replicas (the autoscaling's upper bound)")
+        if lo > hi:
+            raise EpiKVError(f"--min-replicas {lo} is above --max-replicas {hi}")
+        # a replica per `target` requests in flight (a llama.cpp replica decodes --sequences at once)
+        target = max(1, (args.sequences or 8) // 2)
+        opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
+                                      "target_ongoing_requests": target, "upscale_delay_s": 5.0,
+                                      "downscale_delay_s": 30.0}
+    else:
+        opts["num_replicas"] = args.replicas or 1
+    return opts
+
+
+def run_ray(args) -> int:
+    """`epikv serve --ray`: start (or join) Ray, deploy the replicas behind Serve's proxy on --host:--port, serve
+    until a signal (the first drains every replica, a second stops at once), then shut Serve down; exit 0."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise EpiKVError("--ray needs Ray Serve: pip install 'epikv[ray,serve]'") from None
+    opts = deployment_options(args)
+    options = {k: v for k, v in vars(args).items() if k != "run"}
+    port = args.port or _free_port(args.host)
+    ray.init(address=args.ray_address, namespace=NAMESPACE, include_dashboard=False, configure_logging=False,
+             log_to_driver=args.log_level in ("info", "debug"))
+    stop = threading.Event()
+    signals = []
+    registry = None
+
+    def on_signal(sig, frame):
+        signals.append(sig)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        registry = ray.remote(_Registry).options(name=REGISTRY, namespace=NAMESPACE, num_cpus=0,
+                                                 get_if_exists=True).remote()
+        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"})
+        dep = serve.deployment(serve.ingress()(EngineReplica), name="EngineReplica", **opts)
+        try:
+            serve.run(dep.bind(options), name=APP, route_prefix="/", blocking=False)
+        except Exception as e:  # a replica's constructor refused (a bad option, a missing model): one line
+            lines = [x for x in str(e).strip().splitlines() if x.strip()]
+            raise EpiKVError(f"Ray Serve could not start the replicas: {lines[-1] if lines else type(e).__name__}") \
+                from None
+        n = opts.get("num_replicas") or f"{opts['autoscaling_config']['min_replicas']}.." \
+                                        f"{opts['autoscaling_config']['max_replicas']}"
+        where = args.ray_address or "a local Ray instance"
+        print(f"epikv serve: listening on http://{args.host}:{port} (Ray Serve on {where}, {n} replica(s) of "
+              f"{args.engine}, model {args.model})", file=sys.stderr, flush=True)
+        while not stop.wait(0.2):
+            pass
+        _drain(registry, args.drain_timeout, signals)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            serve.shutdown()
+        except Exception as e:  # noqa: BLE001
+            print(f"epikv serve: warning: stopping Ray Serve: {type(e).__name__}: {e}", file=sys.stderr)
+        ray.shutdown()
+    print("epikv serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _drain(registry, timeout: float, signals: list) -> None:
+    """Every replica stops admitting (503) and finishes what is in flight, up to `timeout` seconds (a second signal
+    ends the wait)."""
+    import ray
+
+    try:
+        ray.get(registry.set_drain.remote(timeout), timeout=10)
+        end = time.monotonic() + timeout
+        time.sleep(2 * REPORT_S)  # every replica has read the flag
+        while time.monotonic() < end and len(signals) < 2:
+            reps = ray.get(registry.all.remote(), timeout=10)
+            if all(st["http"]["in_flight"] == 0 for st in reps.values()):
+                return
+            time.sleep(0.2)
+    except Exception as e:  # noqa: BLE001 (Ray itself is going: nothing left to drain)
+        print(f"epikv serve: drain: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return
+    print(f"epikv serve: drain: requests still running after {timeout:g} s are ended by the shutdown",
+          file=sys.stderr, flush=True)

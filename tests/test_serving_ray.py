@@ -1,0 +1,208 @@
+"""`epikv serve --ray` on one local Ray instance for the module (Ray's start-up is slow on a shared 2-core machine):
+two replicas of the torch engine behind Ray Serve's proxy, the same tiny model and options as test_serving_http's
+single server. Answers equal the library's run of the same prompts (as the single server's do), whichever replica
+serves them; a sampled request's seed gives the same answer on any replica; /stats reports every replica by id;
+429 with Retry-After when the replicas' waiting queues are full; a replica killed mid-stream ends its stream with
+an error (no hang), the next requests are answered and Ray restarts the replica; SIGTERM drains (in flight
+finishes, new requests get 503) and exits 0."""
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("ray.serve")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from test_serving_http import (MODEL, SERVE, Served, _prompt_ids, _texts, cb_internals,  # noqa: E402,F401
+                               lib)
+
+REPLICAS = 2
+
+
+@pytest.fixture(scope="module")
+def ray_served():
+    s = Served(["--ray", "--replicas", str(REPLICAS), *SERVE, "--max-waiting", "3", "--drain-timeout", "60"])
+    yield s
+    if s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            s.proc.wait(90)
+        except Exception:  # noqa: BLE001
+            s.proc.kill()
+
+
+def _replica(answer_id: str) -> str:
+    return answer_id.split("-")[2]  # cmpl-http-<replica>-<n>-<random>
+
+
+def _replicas(s, n=REPLICAS, timeout=120):
+    end = time.monotonic() + timeout
+    while True:
+        reps = s.get("/stats")["replicas"]
+        if len(reps) == n or time.monotonic() > end:
+            return reps
+        time.sleep(0.5)
+
+
+def test_answers_equal_the_library_on_every_replica(ray_served, lib):
+    texts = _texts(8)
+    want = lib([_prompt_ids(lib.tok, t) for t in texts])
+    client = ray_served.client.with_options(max_retries=8)  # a 429 (Retry-After) is retried, as clients do
+
+    def ask(i):
+        if i % 2:
+            parts = list(client.completions.create(model=MODEL, prompt=texts[i], stream=True))
+            return parts[0].id, [t for p in parts for t in p.choices[0].model_extra["token_ids"]]
+        r = client.completions.create(model=MODEL, prompt=texts[i])
+        return r.id, r.choices[0].model_extra["token_ids"]
+
+    got = []
+    for _ in range(3):  # until both replicas have answered (the proxy picks the less loaded of two)
+        with ThreadPoolExecutor(4) as ex:
+            got += list(ex.map(ask, range(len(texts))))
+        if len({_replica(i) for i, _ in got}) == REPLICAS:
+            break
+    assert [ids for _, ids in got] == want * (len(got) // len(texts))
+    assert len({_replica(i) for i, _ in got}) == REPLICAS
+
+
+def test_models_health_stats_per_replica(ray_served):
+    assert ray_served.get("/health") == {"status": "ok"}
+    assert [x.id for x in ray_served.client.models.list().data] == [MODEL]
+    end = time.monotonic() + 30
+    while True:  # once idle, no replica holds a page (the figures are at most half a second old)
+        reps = _replicas(ray_served)
+        if all(r["engine"]["pages_in_use"] == 0 and not r["http"]["in_flight"] for r in reps.values()) \
+                or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    assert len(reps) == REPLICAS and len({r["server"]["pid"] for r in reps.values()}) == REPLICAS
+    assert all(r["server"]["replica"] == k and r["engine"]["pages_in_use"] == 0 for k, r in reps.items()), reps
+    st = ray_served.get("/stats")
+    assert st["server"]["replica"] in reps
+    kw = dict(model=MODEL, prompt=_texts(3)[2], max_tokens=20, temperature=0.6, top_p=0.95, seed=11)
+    answers = {}
+    for _ in range(8):  # the same seed, the same answer, on either replica
+        r = ray_served.client.completions.create(**kw)
+        answers.setdefault(_replica(r.id), set()).add(r.choices[0].text)
+    assert len({t for v in answers.values() for t in v}) == 1, answers
+
+
+def test_429_with_retry_after_when_full(ray_served):
+    body = json.dumps({"model": MODEL, "prompt": _texts(8)[7], "max_tokens": 8}).encode()
+    rejected0 = sum(r["http"]["rejected"] for r in _replicas(ray_served).values())
+
+    def post(_):
+        req = urllib.request.Request(ray_served.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, None
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Retry-After")
+
+    with ThreadPoolExecutor(24) as ex:
+        got = list(ex.map(post, range(48)))
+    codes = [c for c, _ in got]
+    assert set(codes) <= {200, 429} and codes.count(200) >= REPLICAS and codes.count(429) > 0, codes
+    assert all(int(ra) >= 1 for c, ra in got if c == 429)
+    end = time.monotonic() + 10
+    while True:  # every replica's counters (reported every half second) add up to the 429s seen
+        rejected = sum(r["http"]["rejected"] for r in ray_served.get("/stats")["replicas"].values())
+        if rejected - rejected0 >= codes.count(429) or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    assert rejected - rejected0 == codes.count(429)
+
+
+def test_killed_replica_ends_its_stream_with_an_error_and_is_restarted(ray_served):
+    before = _replicas(ray_served)
+    stream = ray_served.client.completions.create(model=MODEL, prompt="A long one", max_tokens=6000, stream=True,
+                                                  extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    victim = _replica(first.id)
+    pid = before[victim]["server"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as e:  # the client gets an error, not a hang
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 60, "the stream hung"
+    assert not isinstance(e.value, AssertionError)
+    ok = 0
+    end = time.monotonic() + 60
+    while ok < 3 and time.monotonic() < end:  # the next requests are answered (the other replica, then a new one)
+        try:
+            ray_served.client.completions.create(model=MODEL, prompt="next", max_tokens=4)
+            ok += 1
+        except openai.APIError:
+            time.sleep(0.5)
+    assert ok == 3
+    end = time.monotonic() + 180
+    while time.monotonic() < end:  # Ray restarted the replica: two again, the victim gone
+        reps = ray_served.get("/stats")["replicas"]
+        if len(reps) == REPLICAS and victim not in reps:
+            break
+        time.sleep(1)
+    assert len(reps) == REPLICAS and victim not in reps and pid not in {r["server"]["pid"] for r in reps.values()}
+
+
+def test_sigterm_drains_every_replica(ray_served):
+    s = ray_served
+    done = {}
+
+    def long():
+        r = s.client.completions.create(model=MODEL, prompt="Finish me", max_tokens=1500,
+                                        extra_body={"ignore_eos": True})
+        done["tokens"] = r.usage.completion_tokens
+
+    t = threading.Thread(target=long)
+    t.start()
+    end = time.monotonic() + 30
+    while not any(r["http"]["in_flight"] for r in s.get("/stats")["replicas"].values()) and time.monotonic() < end:
+        time.sleep(0.05)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(3 * 0.5)  # every replica has read the drain flag
+    with pytest.raises(openai.APIStatusError) as e:
+        s.client.completions.create(model=MODEL, prompt="late", max_tokens=4)
+    assert e.value.status_code == 503 and int(e.value.response.headers["retry-after"]) >= 1
+    t.join(120)
+    assert done == {"tokens": 1500}  # the request in flight finished, whole
+    rc = s.proc.wait(120)
+    err = "".join(s.err)
+    assert rc == 0 and "epikv serve: stopped" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--replicas", "2"], "--replicas is an option of --ray"),
+    (["--ray", "--replicas", "2", "--max-replicas", "3"], "a fixed count or the autoscaling's bounds"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
+    (["--ray", "--min-replicas", "2"], "--min-replicas needs --max-replicas"),
+])
+def test_replica_options_refused_in_one_line(argv, needle):
+    from test_serving_http import _cli
+
+    r = _cli("serve", *SERVE, *argv)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_autoscaling_options():
+    import argparse
+
+    from epikv.serving.ray_serve import deployment_options
+
+    ns = dict(replicas=None, min_replicas=1, max_replicas=4, sequences=8, drain_timeout=30.0)
+    auto = deployment_options(argparse.Namespace(**ns))["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 4)
+    fixed = deployment_options(argparse.Namespace(**dict(ns, min_replicas=None, max_replicas=None, replicas=3)))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] > 100  # the app admits (429), not Serve's queue
