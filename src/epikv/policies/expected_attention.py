@@ -40,8 +40,9 @@ def expected_attention_scores(q: torch.Tensor, q_valid: torch.Tensor, k: torch.T
 
 @dataclass
 class ExpectedAttention(Policy):
-    """Expected Attention (Devoto et al., arXiv:2510.00636): per layer and KV head, the attention future queries are
-    expected to pay a key, times the norm of its value.
+    """Expected Attention (Devoto et al., arXiv:2510.00636): expected future attention x value norm, per KV head.
+
+    Per layer and KV head, the attention future queries are expected to pay a key, times the norm of its value.
 
     Future queries are modelled as a Gaussian in pre-RoPE space (mean and covariance of the last `window` queries of
     each query head, recomputed from q_proj), rotated by the RoPE rotation averaged over the `n_future` next

@@ -9,8 +9,10 @@ from .base import Policy
 
 @dataclass
 class RandomHeadEviction(Policy):
-    """Random eviction per KV head: keep the prompt and the recent window, and in every layer and KV head evict
-    uniformly at random among the rest, each head drawing its own set (seeded).
+    """Random eviction per KV head: each layer and KV head evicts its own seeded uniform draw (prompt, recent kept).
+
+    Keep the prompt and the recent window, and in every layer and KV head evict uniformly at random among the rest,
+    each head drawing its own set (seeded).
 
     The null of Random Attention (arXiv:2609.03430) for per-head policies: `random` draws one set shared by every
     head, a weaker null beside policies that choose per head.

@@ -38,8 +38,10 @@ def triattention_scores(q: torch.Tensor, q_valid: torch.Tensor, k: torch.Tensor,
 
 @dataclass
 class TriAttention(Policy):
-    """TriAttention (Mao et al., arXiv:2604.04921): per layer and KV head, a key's expected pre-softmax logit under
-    the query centre at geometric future distances, exact per RoPE frequency, plus a norm term.
+    """TriAttention (Mao et al., arXiv:2604.04921): the query centre's expected logit plus a norm term, per KV head.
+
+    Per layer and KV head, a key's expected pre-softmax logit under the query centre at geometric future distances,
+    exact per RoPE frequency, plus a norm term.
 
     Pre-RoPE queries concentrate around a fixed centre per head, so their logit with a key depends on the distance
     through a trigonometric series. The centre and the mean |q_f| per RoPE pair are estimated online from the last
