@@ -21,7 +21,8 @@ from transformers.cache_utils import Cache
 from .buffers import BufferLayer, SlidingBufferLayer, hole_fill, select_state_rows  # noqa: F401 (re-exported)
 from .errors import EpiKVError
 from .hooks import (_after_stack_hook, _attention_hook, _before_stack_hook, _check_hybrid_policy,  # noqa: F401
-                    _hidden_hook, _install_hook, _query_hook, attention_layout, cache_kwarg, decoder_layers)
+                    _hidden_hook, _install_hook, _query_hook, attention_layout, cache_kwarg, decoder_layers,
+                    rope_frequencies)
 from .policies import DEFAULT_POLICY, CacheView, Policy, get_policy
 from .policy_state import PolicyState
 from .signals import model_depth
@@ -92,6 +93,11 @@ class EpiKVCache(Cache):
         self._arriving_kv = obs.arriving_kv and not obs.keys_values  # the new tokens' slots only
         self._n_queries = obs.queries
         self._query_layers = frozenset(obs.query_layers or range(self.n_layers))
+        self._queries_pre_rope = bool(obs.queries and obs.pre_rope)
+        self._rope: dict = {}  # Observes.pre_rope: what the view carries of the rotary embedding
+        if self._queries_pre_rope:
+            inv, scale = rope_frequencies(model, layers[0].self_attn.head_dim, self.policy.name)
+            self._rope = {"rope_inv_freq": inv, "rope_scaling": scale}
         # layers the policy never compresses (knorm's first two): they keep every token; lengths come from `_ref`
         self._full_layers = frozenset(self.policy.uncompressed_layers(self.n_layers)) if self.policy.evicts else frozenset()
         check_layers(self._full_layers, self.n_layers)
@@ -341,7 +347,7 @@ class EpiKVCache(Cache):
         return dict(keys=[self.layers[i].keys for i in self._kv_layers] if self._needs_kv else [],
                     values=[self.layers[i].values for i in self._kv_layers] if self._needs_kv else [],
                     queries=[self._queries.get(l) for l in range(self.n_layers)] if self._n_queries else [],
-                    query_valid=self._query_valid)
+                    query_valid=self._query_valid, **self._rope)
 
     def evict(self) -> torch.Tensor:
         """Cut every sequence back to the policy's keep set (exactly `budget` tokens unless the policy keeps fewer).

@@ -84,7 +84,7 @@ def _attention_hook(layer_idx: int):
 
 def _query_hook(layer_idx: int):
     """Recompute the rotated queries of the newest tokens from q_proj (+ q_norm) and the rotary embedding the
-    layer receives, keeping a rolling window of w per layer: R-KV / SnapKV score with the queries they cache,
+    layer receives (not rotated when the policy observes pre_rope), keeping a rolling window of w per layer: R-KV / SnapKV score with the queries they cache,
     so the main attention can stay SDPA."""
 
     def hook(module, args, kwargs):
@@ -97,9 +97,10 @@ def _query_hook(layer_idx: int):
         if getattr(module, "q_norm", None) is not None:
             q = module.q_norm(q)
         q = q.transpose(1, 2)  # [batch, heads, t, head_dim]
-        cos, sin = kwargs["position_embeddings"]
-        rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", _llama_rope)
-        q, _ = rope(q, q, cos[:, -q.shape[2]:], sin[:, -q.shape[2]:])
+        if not cache._queries_pre_rope:  # Observes.pre_rope: the policy rotates them itself
+            cos, sin = kwargs["position_embeddings"]
+            rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", _llama_rope)
+            q, _ = rope(q, q, cos[:, -q.shape[2]:], sin[:, -q.shape[2]:])
         old = cache._queries.get(layer_idx)
         cache._queries[layer_idx] = q if old is None else torch.cat([old, q], dim=2)[:, :, -w:]
         cache._queries_fresh.add(layer_idx)
@@ -154,3 +155,19 @@ def _check_hybrid_policy(policy: Policy, obs, n_layers: int) -> None:
     if why:
         raise EpiKVError(f"policy {policy.name} {why}, which is not supported on models with sliding-window layers "
                          "(only token-level policies reading hidden states or cached keys/values are)")
+
+
+def rope_frequencies(model, head_dim: int, policy_name: str) -> tuple[torch.Tensor, float]:
+    """The rotary embedding's inverse frequencies [head_dim // 2] and cos / sin scale, for a policy that rotates
+    queries itself (Observes.pre_rope); refused in one line where the model has no such embedding or rotates only
+    part of a head (the policy's rotation would then differ from the model's)."""
+    base = getattr(model, "model", model)
+    rot = getattr(base, "rotary_emb", None)
+    inv = getattr(rot, "inv_freq", None)
+    if not isinstance(inv, torch.Tensor):
+        raise EpiKVError(f"policy {policy_name} rotates query states itself and needs the model's rotary embedding "
+                         "(model.model.rotary_emb.inv_freq), which this model lacks")
+    if 2 * inv.numel() != head_dim:
+        raise EpiKVError(f"policy {policy_name} rotates whole query heads, but this model's rotary embedding covers "
+                         f"{2 * inv.numel()} of {head_dim} channels per head (partial rotary is not supported)")
+    return inv, float(getattr(rot, "attention_scaling", 1.0) or 1.0)

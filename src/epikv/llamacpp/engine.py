@@ -57,6 +57,8 @@ def check_policy(policy: Policy, n_layers: int) -> None:
         why = f"keeps a separate token set per {policy.granularity}; a llama.cpp cell holds a token of every layer"
     elif policy.evicts and policy.uncompressed_layers(n_layers):
         why = "leaves some layers uncompressed; llama.cpp removes a token from every layer"
+    elif obs.queries and obs.pre_rope:
+        why = "reads query states before RoPE; the capture takes them rotated (Qcur)"
     if why:
         raise EpiKVError(f"policy {policy.name} is not supported by --engine llama.cpp: it {why} "
                          f"(supported: {', '.join(SUPPORTED)})")

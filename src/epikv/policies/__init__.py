@@ -14,11 +14,13 @@ from .epikv_band import EpiKVBand
 from .epikv_raw import EpiKVRaw
 from .epikv_seg import EpiKVSeg
 from .epikv_seg_q import EpiKVSegQ
+from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .kv_var import KVKeyVariance, KVValueVariance
 from .lag_kv import LagKVVariant
 from .lag_kv_key import LagKVKey
 from .random_eviction import RandomEviction
+from .random_head import RandomHeadEviction
 from .streaming import StreamingLLM
 from .h2o import H2O
 from .h2o_global import H2OGlobal
@@ -30,12 +32,14 @@ from .rkv import RKV
 from .snapkv import SnapKV
 from .thinkv import ThinKV
 from .tova import TOVA
+from .triattention import TriAttention
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, EpiKVSeg, EpiKVSegQ, KVKeyVariance,
-                KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction,
-                H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm)
+                KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction, RandomHeadEviction,
+                H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm, TriAttention,
+                ExpectedAttention)
 }
 """Every registered policy class by name (`register_policy` and users' plugins add to it)."""
 

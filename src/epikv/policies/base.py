@@ -33,6 +33,9 @@ class Observes:
     """The last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)."""
     query_layers: tuple[int, ...] = ()
     """The layers whose queries are recomputed; () = every layer."""
+    pre_rope: bool = False
+    """With queries: take them BEFORE the rotary embedding (as q_proj + q_norm leave them), and have the view carry
+    the model's RoPE frequencies (CacheView.rope_inv_freq): what a score that rotates a query itself reads."""
     kv_parts: str = "kv"
     """With keys_values / arriving_kv: which of the keys ("k") and values ("v") the policy reads. The torch engine
     holds both anyway; the llama.cpp engine captures (and mirrors) only these."""
@@ -49,7 +52,8 @@ class Observes:
             parts.append("keys/values on arrival")
         if self.queries:
             where = (" at blocks " + ",".join(map(str, self.query_layers))) if self.query_layers else ""
-            parts.append(f"last {self.queries} query states{where} (recomputed)")
+            kind = "pre-RoPE query states" if self.pre_rope else "query states"
+            parts.append(f"last {self.queries} {kind}{where} (recomputed)")
         return "; ".join(parts) or "nothing"
 
 
@@ -112,6 +116,11 @@ class CacheView:
     None for a layer outside Observes.query_layers) and which of them are real tokens [batch, w]."""
     query_valid: torch.Tensor | None = None
     """[batch, w] bool: which of `queries` are real tokens."""
+    rope_inv_freq: torch.Tensor | None = None
+    """Observes.pre_rope: the rotary embedding's inverse frequencies [head_dim // 2] (channel f pairs with channel
+    f + head_dim / 2, transformers' rotate_half layout)."""
+    rope_scaling: float = 1.0
+    """Observes.pre_rope: the factor the rotary embedding scales cos / sin by."""
 
 
 @dataclass
