@@ -18,6 +18,7 @@ from .full import FullCache
 from .kv_var import KVKeyVariance, KVValueVariance
 from .lag_kv import LagKVVariant
 from .lag_kv_key import LagKVKey
+from .learned import LearnedMean, LearnedScore
 from .random_eviction import RandomEviction
 from .streaming import StreamingLLM
 from .h2o import H2O
@@ -34,7 +35,7 @@ from .tova import TOVA
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, EpiKVSeg, EpiKVSegQ, KVKeyVariance,
-                KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction,
+                KVValueVariance, LagKVKey, LearnedScore, LearnedMean, FullCache, StreamingLLM, RandomEviction,
                 H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm)
 }
 
