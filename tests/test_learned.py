@@ -217,3 +217,37 @@ def test_keep_sets_per_kv_head_on_torch_and_one_per_token_served(tiny, tmp_path)
     with pytest.raises(EpiKVError, match="per head"):
         check_serving(tiny.model, ServeSpec(policy="epikv-learned", **spec))
     assert check_serving(tiny.model, ServeSpec(policy="epikv-learned-mean", **spec)).name == "epikv-learned-mean"
+
+
+def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch):
+    """epikv-learned-mean in the paged server (page 4, 2 requests in one forward) keeps the torch engine's batch-1
+    sets at page 4 at every eviction, with the same tokens."""
+    from epikv import generate
+    from epikv.policy_state import PolicyState
+    from epikv.serving import ServeSpec, run_batch
+
+    seen: dict[int, list] = {}
+    orig = PolicyState.keep
+
+    def spy(self, *a, **kw):
+        keep = orig(self, *a, **kw)
+        seen.setdefault(id(self), []).append(keep[0].tolist())
+        return keep
+
+    monkeypatch.setattr(PolicyState, "keep", spy)
+
+    g = torch.Generator().manual_seed(6)
+    path = tmp_path / "r.safetensors"
+    LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
+                   {"model": "random:tiny"}).save(path)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (20, 33)]
+    spec = ServeSpec(policy="epikv-learned-mean", budget=64, page=4, num_blocks=128, max_batch_tokens=32, recency=8,
+                     settings={"weights": str(path)})
+    outs, stats = run_batch(tiny.model, spec, prompts, 100)
+    served = sorted(seen.values())
+    seen.clear()
+    refs = [generate(tiny.model, tiny.tokenizer, [p], policy="epikv-learned-mean", budget=64, max_new_tokens=100,
+                     page=4, recent=8, weights=str(path)) for p in prompts]
+    assert outs == [r.token_ids[0] for r in refs]
+    assert served == sorted(seen.values()) and len(served) == 2
+    assert stats["evictions"] == sum(r.stats["evictions"] for r in refs) > 0
