@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,7 +171,3 @@ class LearnedMean(LearnedScore):
     def on_tokens(self, state, obs):
         return {"score": self.raw_scores(state, obs).mean(dim=(1, 2))}  # [batch, T]
 
-
-def weights_summary(path: str | Path) -> str:
-    lw = load_weights(path)
-    return json.dumps({"shape": list(lw.shape), **lw.meta}, sort_keys=True)
