@@ -192,7 +192,8 @@ def layer_run(model, ids: torch.Tensor):
             model.set_attn_implementation(attn)
     if out.attentions is None or len(out.attentions) != len(layers) or any(a is None for a in out.attentions):
         raise EpiKVError("calibrate: the model returned no attention weights (it needs eager attention)")
-    cache = out.past_key_values
+    cache = out.get("cache")  # the output's name for the cache differs across transformers 5.x
+    cache = out.get("past_key_values") if cache is None else cache
     res = []
     for l, layer in enumerate(layers):
         vals = cache.layers[l].values[0]  # [kv_heads, T, hd]
