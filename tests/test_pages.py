@@ -240,10 +240,20 @@ def test_engine_page_choice_follows_mean_scores(tiny):
 
 
 def test_refusals():
-    for name, why in (("h2o", "keeps per head"), ("tova", "keeps per layer"), ("epikv-seg", "own keep rule"),
-                      ("epikv-seg-q", "own keep rule"), ("full", "never evicts")):
+    for name, why in (("h2o", "keeps per head"), ("tova", "keeps per layer"), ("full", "never evicts")):
         with pytest.raises(EpiKVError, match=why):
             get_policy(name, page=8)
+    # Seg's own keep rule honours pages (seg_page_keep) when a page belongs to one segment; another own rule does not
+    assert get_policy("epikv-seg-q", page=8).page == 8
+    with pytest.raises(EpiKVError, match="multiple of the page size 12"):
+        get_policy("epikv-seg", page=12)
+    from epikv.policies.epikv_seg import EpiKVSeg
+
+    class Own(EpiKVSeg):
+        own_page_rule = False
+
+    with pytest.raises(EpiKVError, match="own keep rule"):
+        Own(page=8)
     with pytest.raises(EpiKVError, match="must not be negative"):
         get_policy("epikv", page=-1)
     assert get_policy("h2o", page=0).page == 0 and get_policy("epikv-seg").page == 0

@@ -110,11 +110,20 @@ def _check(policy, obs, log, kv_read_ok: bool, n_layers: int) -> None:
         assert not (log["keys"] or log["values"]), f"{name} read cached keys/values it did not declare"
 
 
-def _settings(name: str) -> dict:
-    """Small enough schedules that a 56-token run evicts several times under every policy."""
+def _settings(name: str, n_layers: int, hidden: int, folder) -> dict:
+    """Small enough schedules that a 56-token run evicts several times under every policy; a learned score gets
+    random weights of the tiny model's shape (written with the calibrate command's file format)."""
     s = {"tau": 2}
     cls = REGISTRY[name]
     fields = {f.name for f in dataclasses.fields(cls)}
+    if "weights" in fields:
+        from epikv.policies.learned import LearnedWeights
+
+        g = torch.Generator().manual_seed(0)
+        path = folder / f"{name}-{n_layers}-{hidden}.safetensors"
+        LearnedWeights(torch.randn(n_layers, 2, hidden, generator=g), torch.zeros(n_layers, 2),
+                       torch.zeros(n_layers, hidden), torch.ones(n_layers, hidden), {"model": "tiny"}).save(path)
+        s["weights"] = str(path)
     if "segment" in fields:
         s["segment"] = 8
     if "window" in fields and name.startswith("epikv"):
@@ -158,12 +167,12 @@ def test_the_published_blocks_differ_from_the_scaled_ones():
 
 
 @pytest.mark.parametrize("name", EVICTING)
-def test_torch_engine_reads_only_declared_layers(published_tiny, name):
+def test_torch_engine_reads_only_declared_layers(published_tiny, name, tmp_path):
     from epikv.engine import Decoder, attention_for
     from epikv.signals import model_depth
 
     (arch, n_layers, _), model = published_tiny
-    pol = get_policy(name, **_settings(name))
+    pol = get_policy(name, **_settings(name, n_layers, TINY_HIDDEN, tmp_path))
     depth = model_depth(model.config, n_layers)
     assert depth.arch == (arch, n_layers, TINY_HIDDEN) and signals.published_pair(depth) is not None
     obs = pol.observes(depth)
@@ -211,12 +220,12 @@ def published_gguf(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [n for n in EVICTING if _llamacpp_runs(n)])
-def test_llamacpp_engine_reads_only_declared_layers(published_gguf, name):
+def test_llamacpp_engine_reads_only_declared_layers(published_gguf, name, tmp_path):
     from epikv.llamacpp import LlamaDecoder
 
     (arch, n_layers, _), gm = published_gguf
     assert gm.depth.arch == (arch, n_layers, GGUF_HIDDEN) and signals.published_pair(gm.depth) is not None
-    pol = get_policy(name, **_settings(name))
+    pol = get_policy(name, **_settings(name, n_layers, GGUF_HIDDEN, tmp_path))
     obs = pol.observes(gm.depth)
     log = _recorded(pol, n_layers)
     dec = LlamaDecoder(gm, pol, BUDGET, max_tokens=len(PROMPT) + STEPS + 1, threads=1)

@@ -262,7 +262,7 @@ BASE = dict(policy="epikv", budget=64, page=8, num_blocks=32, max_batch_tokens=3
     (dict(policy="raas"), "raas cannot serve"),
     (dict(policy="thinkv"), "thinkv cannot serve"),
     (dict(policy="knorm"), "knorm cannot serve"),
-    (dict(policy="epikv-seg"), "epikv-seg cannot serve"),
+    (dict(policy="epikv-seg", settings={"segment": 12}), "segment 12 must be a multiple of the page size 8"),
     (dict(policy="nope"), "unknown policy"),
     (dict(settings={"recent": 8}, recency=16), "given twice"),
     (dict(cb={"no_such_setting": 1}), "no setting 'no_such_setting'"),
@@ -282,7 +282,7 @@ def test_refuses_sliding_window_model():
 
 
 def test_served_policies_accepted(tiny):
-    for name in ("epikv", "epikv-raw", "streaming", "random", "kv-key", "lag-kv", "full"):
+    for name in ("epikv", "epikv-raw", "streaming", "random", "kv-key", "lag-kv", "epikv-seg", "epikv-seg-q", "full"):
         assert check_serving(tiny.model, ServeSpec(**{**BASE, "policy": name})).name == name
 
 

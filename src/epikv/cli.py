@@ -11,7 +11,7 @@ import warnings
 from .errors import ContextWarning, EpiKVError
 
 # Subcommand modules, in the order `epikv --help` lists them.
-COMMANDS = ["generate", "policies", "trace", "eval", "report", "retention", "bench", "anatomy", "serve"]
+COMMANDS = ["generate", "policies", "trace", "eval", "report", "retention", "bench", "anatomy", "serve", "calibrate"]
 QUICK = {"policies"}  # commands that never load a model: torch and transformers stay unimported
 
 

@@ -93,19 +93,31 @@ def _query_hook(layer_idx: int):
             return
         w = cache._n_queries
         h = kwargs.get("hidden_states", args[0] if args else None)[:, -w:]  # [batch, t, hidden]
-        q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim)
-        if getattr(module, "q_norm", None) is not None:
-            q = module.q_norm(q)
-        q = q.transpose(1, 2)  # [batch, heads, t, head_dim]
-        if not cache._queries_pre_rope:  # Observes.pre_rope: the policy rotates them itself
-            cos, sin = kwargs["position_embeddings"]
-            rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", _llama_rope)
-            q, _ = rope(q, q, cos[:, -q.shape[2]:], sin[:, -q.shape[2]:])
+        cos, sin = kwargs["position_embeddings"]
+        # Observes.pre_rope: the policy rotates them itself
+        q = rotated_queries(module, h, cos[:, -h.shape[1]:], sin[:, -h.shape[1]:], rotate=not cache._queries_pre_rope)
         old = cache._queries.get(layer_idx)
         cache._queries[layer_idx] = q if old is None else torch.cat([old, q], dim=2)[:, :, -w:]
         cache._queries_fresh.add(layer_idx)
 
     return hook
+
+
+def rotated_queries(module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    rotate: bool = True) -> torch.Tensor:
+    """The rotated queries an attention module computes from its input h [batch, t, hidden] (q_proj, q_norm when it
+    has one, RoPE with the cos / sin [batch, t, rot] it receives): [batch, heads, t, head_dim]. Shared by the torch
+    cache's query hook and the paged server's, so both engines rank with the same queries. rotate=False: before
+    the rotary embedding (Observes.pre_rope)."""
+    q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim)
+    if getattr(module, "q_norm", None) is not None:
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)  # [batch, heads, t, head_dim]
+    if not rotate:
+        return q
+    rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", _llama_rope)
+    q, _ = rope(q, q, cos, sin)
+    return q
 
 
 def _llama_rope(q, k, cos, sin):

@@ -19,6 +19,7 @@ from .full import FullCache
 from .kv_var import KVKeyVariance, KVValueVariance
 from .lag_kv import LagKVVariant
 from .lag_kv_key import LagKVKey
+from .learned import LearnedMean, LearnedScore
 from .random_eviction import RandomEviction
 from .random_head import RandomHeadEviction
 from .streaming import StreamingLLM
@@ -37,9 +38,9 @@ from .triattention import TriAttention
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, EpiKVSeg, EpiKVSegQ, KVKeyVariance,
-                KVValueVariance, LagKVKey, FullCache, StreamingLLM, RandomEviction, RandomHeadEviction,
-                H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm, TriAttention,
-                ExpectedAttention)
+                KVValueVariance, LagKVKey, LearnedScore, LearnedMean, FullCache, StreamingLLM, RandomEviction,
+                RandomHeadEviction, H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm,
+                TriAttention, ExpectedAttention)
 }
 """Every registered policy class by name (`register_policy` and users' plugins add to it)."""
 
@@ -57,9 +58,8 @@ REGISTRY: dict[str, type[Policy]] = {
 DEFAULT_POLICY = "epikv-seg-q"
 """The policy every entry point runs when none is named (where an entry point refuses it: ENTRY_DEFAULTS)."""
 # Entry points that refuse DEFAULT_POLICY (their check: epikv.support), each with the best measured policy it runs,
-# from the same raw files: the torch paged server serves only token policies with the page rule that read no
-# queries, and of those streaming lost the least (-0.029 nats/token against random at K = 1024).
-ENTRY_DEFAULTS: dict[str, str] = {"serve-torch": "streaming"}
+# from the same raw files. None today: the torch paged server runs epikv-seg-q at page granularity too.
+ENTRY_DEFAULTS: dict[str, str] = {}
 """Entry point (epikv.support.ENTRY_POINTS' keys) -> its own default, where it refuses DEFAULT_POLICY."""
 
 

@@ -149,6 +149,9 @@ class Policy:
     """'token': one keep set per sequence; 'head': one per layer and KV head; 'layer': one per layer."""
     evicts: ClassVar[bool] = True
     """False for `full`, which keeps every token."""
+    own_page_rule: ClassVar[bool] = False
+    """A policy with its own keep rule that honours `page` itself (whole pages, e.g. EpiKV-Seg's page-level tier
+    pass)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -159,11 +162,16 @@ class Policy:
                 raise EpiKVError(f"{self.name}: {f.name} must not be negative, got {v}")
         if self.tau < 1:
             raise EpiKVError(f"tau must be at least 1, got {self.tau}")
-        if self.page and (not self.evicts or self.granularity != "token" or type(self).keep is not Policy.keep):
+        if self.page and (not self.evicts or self.granularity != "token" or not self.pages_ok()):
             why = ("never evicts" if not self.evicts else f"keeps per {self.granularity}"
                    if self.granularity != "token" else "has its own keep rule")
             raise EpiKVError(f"{self.name}: page-granular eviction (page={self.page}) needs a token-granularity "
                              f"policy with the default keep rule; {self.name} {why}")
+
+    def pages_ok(self) -> bool:
+        """Whether the keep rule evicts whole pages when `page` is set: the default rule (page_keep) or a policy's
+        own rule that honours `page` (own_page_rule)."""
+        return type(self).keep is Policy.keep or type(self).own_page_rule
 
     # -- declared observations -------------------------------------------------------------------------------------
     def observes(self, n_layers: int) -> Observes:

@@ -8,6 +8,7 @@ from ..errors import EpiKVError
 from .base import CacheView, Observes
 from .epikv import EpiKVFlat
 from .kv_var import check_stat, slot_statistic
+from .pages import _too_small
 
 RULES = ("pruned", "steps", "every")
 
@@ -109,6 +110,56 @@ def seg_keep(rank: torch.Tensor, seg_stat: torch.Tensor, view: CacheView, segmen
     return torch.stack(out)
 
 
+def seg_page_keep(rank: torch.Tensor, seg_stat: torch.Tensor, view: CacheView, page: int, segment: int,
+                  caps: tuple[int, int, int], fill: bool = False, value: torch.Tensor | None = None,
+                  swap: int = 0) -> torch.Tensor:
+    """EpiKV-Seg's keep set in whole pages of `page` slots (a paged engine): seg_keep run on the pages.
+
+    rank, seg_stat, value: [batch, n] per slot. Pages are `page`-slot blocks from slot 0 (policies/pages.py). A page
+    overlapping the protected prompt or the recency window is kept whole, and so is the newest page (being written);
+    every other page is a full page of decode slots. On the pages: rank, segment statistic and value are the means
+    of their slots, a segment is segment // page pages (so its statistic is the mean over its slots, as per slot),
+    a tier keeps up to cap // page pages, and the budget is the pages that fit in K beside the kept-whole ones. So
+    the cache ends at most K, and with page = 1 this is seg_keep exactly (the newest slot, always in the recency
+    window when recent >= 1, is kept). Unpadded rows only. Returns sorted slot indices [batch, m]."""
+    b, n = rank.shape
+    dev = rank.device
+    if bool((view.n_pad > 0).any()):
+        raise EpiKVError("epikv-seg at page granularity runs unpadded rows only (one prompt at a time)")
+    if segment % page:
+        raise EpiKVError(f"epikv-seg: segment {segment} must be a multiple of the page size {page}")
+    n_pages = -(-n // page)
+    last = n - (n_pages - 1) * page  # slots of the newest page, 1..page
+
+    def per_page(x: torch.Tensor) -> torch.Tensor:  # [batch, n] -> [batch, n_pages]: mean over each page's slots
+        x = torch.nn.functional.pad(x.float(), (0, n_pages * page - n)).view(b, n_pages, page)
+        cnt = torch.full((n_pages,), page, device=dev, dtype=torch.float32)
+        cnt[-1] = last
+        return x.sum(-1) / cnt
+
+    keeps = []
+    for r in range(b):  # rows differ in prompt length, so in their kept-whole pages
+        n_prot = int(view.n_protect[r])
+        end = max(n - view.recent, n_prot)  # the slot recency window [end, n), as seg_keep
+        first = -(-n_prot // page)  # pages overlapping the prompt
+        recent_from = max(min(end // page, n_pages - 1), first)  # first page overlapping the window (or the newest)
+        free = view.budget - (n - (recent_from - first) * page)  # slots left beside the kept-whole pages
+        if free < 0:
+            raise EpiKVError(_too_small(view.budget, page, n - (recent_from - first) * page))
+        pv = CacheView(length=n_pages, budget=first + (n_pages - recent_from) + free // page, token_data={},
+                       n_pad=view.n_pad[r : r + 1], n_protect=torch.tensor([first], device=view.n_protect.device),
+                       recent=n_pages - recent_from, keys=[], values=[], device=dev)
+        val = per_page(value[r : r + 1]) if value is not None else None
+        pages = seg_keep(per_page(rank[r : r + 1]), per_page(seg_stat[r : r + 1]), pv, segment // page,
+                         tuple(c // page for c in caps), fill, val, swap)[0]  # [m_pages], newest last
+        slots = (pages[:, None] * page + torch.arange(page, device=dev)).flatten()
+        keeps.append(slots[: slots.numel() - (page - last)])  # the newest page holds `last` slots
+    m = {k.numel() for k in keeps}
+    if len(m) > 1:
+        raise EpiKVError("epikv-seg at page granularity keeps one row at a time (rows kept different counts)")
+    return torch.stack(keeps)
+
+
 @dataclass
 class EpiKVSeg(EpiKVFlat):
     """EpiKV-Seg: key-variance segments in three tiers with 64/32/8 decode slots, ranked inside by the EPIKV score.
@@ -126,6 +177,8 @@ class EpiKVSeg(EpiKVFlat):
     decode slots are a multiple of tau; "steps" when over K and tau slots were stored since the last eviction;
     "every" when over K + tau - 1. Every rule also evicts above K + tau - 1 (a multi-token chunk can step over a
     multiple of tau). Padded batches: padding counts like prompt; rows are topped up to the longest row's count.
+    With `page` > 0 (a paged engine, `epikv serve`) the same rule runs on whole pages (seg_page_keep: page means,
+    segment // page pages per segment, cap // page pages per tier; page 1 gives the slot rule's keep set).
 
     Choices where METHOD.md leaves one open: "decode slots" are the slots after the protected prefix (the prompt; with
     protect_prompt off, prompt slots after the sinks count as decode slots); "steps" counts slots stored since the last
@@ -145,6 +198,7 @@ class EpiKVSeg(EpiKVFlat):
 
     name = "epikv-seg"
     paper = "arXiv:2606.26472 (authors' later code)"
+    own_page_rule = True  # page > 0: seg_page_keep (whole pages, as a paged engine frees them)
 
     def __post_init__(self):
         super().__post_init__()
@@ -155,6 +209,9 @@ class EpiKVSeg(EpiKVFlat):
         if self.reserve:
             raise EpiKVError(f"{self.name}: the value reserve belongs to the flat policies; Seg has `swap`")
         check_stat(self.name, "swap_stat", self.swap_stat)
+        if self.page and self.segment % self.page:
+            raise EpiKVError(f"{self.name}: segment {self.segment} must be a multiple of the page size {self.page} "
+                             "(a page belongs to one segment)")
 
     def observes(self, n_layers):
         return Observes(hidden_layers=super().observes(n_layers).hidden_layers, keys_values=True,
@@ -181,4 +238,7 @@ class EpiKVSeg(EpiKVFlat):
         rank = self.ranking(state, view).to(dev)
         seg_stat = slot_statistic(view.keys, "var", dev)
         value = slot_statistic(view.values, self.swap_stat, dev) if self.swap else None
+        if self.page:
+            return seg_page_keep(rank, seg_stat, view, self.page, self.segment, tuple(self.caps), self.fill, value,
+                                 self.swap)
         return seg_keep(rank, seg_stat, view, self.segment, tuple(self.caps), self.fill, value, self.swap)

@@ -51,7 +51,7 @@ class ServeSpec:
 def _default_policy() -> str:
     from ..policies import default_policy
 
-    return default_policy("serve-torch")  # the paged server refuses epikv-seg-q: its own default (ENTRY_DEFAULTS)
+    return default_policy("serve-torch")  # ENTRY_DEFAULTS: its own default where it refuses the common one
 
 
 def _positive_int(name: str, v) -> None:
@@ -83,20 +83,18 @@ def build_policy(spec: ServeSpec):
         return pol
     if probe.attention_layers:
         why = "needs attention weights, which paged attention kernels never produce"
-    elif probe.queries:
-        why = "reads recomputed query states, which the serving hooks do not capture"
-    elif not pol.attention_free:
-        why = "is not attention-free"
+    elif probe.queries and not probe.query_layers:
+        why = "reads recomputed query states of every layer, which the serving hooks capture at named layers only"
     elif pol.granularity != "token":
         why = f"keeps a different token set per {pol.granularity}, which a paged engine cannot free page by page"
-    elif type(pol).keep is not Policy.keep:  # its own keep rule (e.g. epikv-seg's caps)
-        why = "has its own keep rule, not the page rule"
+    elif not pol.pages_ok():  # its own keep rule, blind to pages
+        why = "has its own keep rule, not a page rule"
     elif pol.uncompressed_layers(32):
         why = "leaves some layers uncompressed, which one page table per request cannot express"
     if why:
         raise EpiKVError(f"policy {pol.name} cannot serve with eviction: it {why} (served policies read hidden "
-                         "states or keys/values at token granularity: epikv, epikv-raw, streaming, random, kv-key, "
-                         "lag-kv, ...)")
+                         "states, keys/values or one layer's recomputed queries at token granularity: epikv, epikv-raw, "
+                         "epikv-seg, epikv-seg-q, streaming, random, kv-key, lag-kv, ...)")
     try:
         return dataclasses.replace(pol, page=spec.page)
     except EpiKVError as e:

@@ -38,6 +38,10 @@ class Track:
         self.device = device
         self.evicted = 0  # tokens dropped so far: true position = stored slot + evicted
         self.scored = 0  # stored tokens the policy has seen (token_data length)
+        # Observes.queries: the rotated queries of the newest w tokens per query layer [1, heads, <= w, head_dim]
+        # (a rolling window across forwards and evictions, as the torch cache keeps it)
+        self.queries: dict[int, torch.Tensor] = {}
+        self.n_layers, self.w = n_layers, policy.observes(n_layers).queries
 
     token_data = property(lambda self: self.ps.token_data)
     evictions = property(lambda self: self.ps.evictions)
@@ -46,9 +50,11 @@ class Track:
         return copy.deepcopy(self)
 
     # -- after a forward -------------------------------------------------------------------------------------------
-    def observe(self, policy: Policy, hidden: dict[int, torch.Tensor], n_old: int, t: int, kv: "KVReader") -> None:
+    def observe(self, policy: Policy, hidden: dict[int, torch.Tensor], n_old: int, t: int, kv: "KVReader",
+                queries: dict[int, torch.Tensor] | None = None) -> None:
         """The forward just stored t new tokens after n_old: score them (policy.on_tokens), as
-        EpiKVCache._after_forward does for one row."""
+        EpiKVCache._after_forward does for one row; queries: per query layer the newest min(w, t) tokens' rotated
+        queries, appended to the rolling window."""
         if n_old != self.scored:
             raise EpiKVError(f"serving: request holds {n_old} stored tokens but its policy state has scored "
                              f"{self.scored} (a cache change the scheduler did not see)")
@@ -56,6 +62,9 @@ class Track:
         valid = torch.ones(1, t, dtype=torch.bool, device=dev)
         pos = torch.arange(n_old + self.evicted, n_old + self.evicted + t, device=dev)[None]  # true positions
         keys, values = kv.step(n_old, t)
+        for l, q in (queries or {}).items():
+            old = self.queries.get(l)
+            self.queries[l] = q if old is None else torch.cat([old, q.to(old.device)], dim=2)[:, :, -self.w:]
         self.ps.observe(hidden=hidden, valid=valid, positions=pos, n_old=n_old, kv_heads=kv.kv_heads, keys=keys,
                         values=values)
         self.scored = n_old + t
@@ -73,7 +82,12 @@ class Track:
             raise EpiKVError(f"serving: request {state.request_id} stores {n} tokens but {self.scored} were scored")
         page = policy.page
         keys, values = kv.all(n) if kv.needs_all else ([], [])
-        keep = self.ps.keep(n, keys=keys, values=values)  # [1, m] whole pages (page_keep), the newest last
+        qv = {}
+        if self.queries:  # every query is a real token here (no padding): query_valid all true
+            w = next(iter(self.queries.values())).shape[2]
+            qv = dict(queries=[self.queries.get(l) for l in range(self.n_layers)],
+                      query_valid=torch.ones(1, w, dtype=torch.bool, device=self.device))
+        keep = self.ps.keep(n, keys=keys, values=values, **qv)  # [1, m] whole pages, the newest last
         m = keep.shape[-1]
         if m >= n:
             return 0

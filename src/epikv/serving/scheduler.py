@@ -50,6 +50,8 @@ class Runtime:
         self.logit_rows: list[int] | None = None  # per request of the batch, its row of the model's logits (or -1)
         self.open = False
         self.hidden: dict[int, torch.Tensor] = {}
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, rows, head_dim] of the open forward
+        self.batch_open: list = []  # the batch of the open forward (the query hooks split its rows)
         self.scheduler = self.cache = self.lay = self.manager = None
         self.handles: list = []
         self.in_flight_hist: dict[int, int] = {}
@@ -72,6 +74,9 @@ class Runtime:
         self.handles.append(self.model.register_forward_hook(self._post))
         for l in self.obs.hidden_layers:
             self.handles.append(self.layers[l].register_forward_hook(self._hidden_hook(l)))
+        for l in self.obs.query_layers if self.obs.queries else ():  # Seg-Q: one layer's recomputed queries
+            self.handles.append(self.layers[l].self_attn.register_forward_pre_hook(self._query_hook(l),
+                                                                                   with_kwargs=True))
 
     def close(self) -> None:
         for h in self.handles:
@@ -87,6 +92,26 @@ class Runtime:
         def hook(module, args, output):
             if self.open:
                 self.hidden[layer] = output[0] if isinstance(output, tuple) else output  # [1, T_packed, H]
+        return hook
+
+    def _query_hook(self, layer: int):
+        """The rotated queries of each request's newest min(w, t) tokens of this forward, recomputed from the
+        attention's packed input [1, T_packed, H] and the position embeddings it receives (true positions: _pre
+        corrected position_ids), as the torch cache's query hook does for a row (hooks.rotated_queries)."""
+        from ..hooks import rotated_queries
+
+        def hook(module, args, kwargs):
+            if not self.open:
+                return None
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            w, rows, a = self.obs.queries, [], 0
+            for _, _, _, t, _, _ in self.batch_open:
+                rows.extend(range(a + max(0, t - w), a + t))
+                a += t
+            ix = torch.tensor(rows, dtype=torch.long, device=h.device)
+            self.queries[layer] = rotated_queries(module, h[:, ix], cos[:, ix], sin[:, ix])  # [1, heads, rows, d]
+            return None
         return hook
 
     def _pre(self, module, args, kwargs):
@@ -119,7 +144,8 @@ class Runtime:
             add = torch.repeat_interleave(torch.tensor(offs), torch.tensor(lens))
             add = torch.nn.functional.pad(add, (0, pos.shape[-1] - add.shape[0]))  # padded rows (none here)
             kwargs["position_ids"] = pos + add.to(pos.device, pos.dtype)[None]
-        self.hidden = {}
+        self.hidden, self.queries = {}, {}
+        self.batch_open = self.batch
         self.open = True
         return args, kwargs
 
@@ -132,14 +158,18 @@ class Runtime:
             self._sample(batch, output)
         if not self.policy.evicts:
             return None
-        a = 0
+        a = q = 0
+        w = self.obs.queries
         for rid, state, n_old, t, _, _ in batch:
             tr = self.tracks.get(rid)
+            tq = min(w, t)  # the query hook kept this request's newest tq tokens
             if tr is not None:
                 hidden = {l: h[:, a:a + t] for l, h in self.hidden.items()}
-                tr.observe(self.policy, hidden, n_old, t, self.kv(rid))
+                tr.observe(self.policy, hidden, n_old, t, self.kv(rid),
+                           {l: x[:, :, q:q + tq] for l, x in self.queries.items()})
             a += t
-        self.hidden = {}
+            q += tq
+        self.hidden, self.queries = {}, {}
         return None
 
     def _sample(self, batch, output) -> None:

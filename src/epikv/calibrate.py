@@ -1,0 +1,267 @@
+"""`epikv calibrate`: fit epikv-learned's per-layer, per-KV-head linear score (policies/learned.py) on a model's own
+full-cache eager runs. Part of the transformers engine (it runs the model); the targets and the Ridge fit are pure
+tensor functions below.
+
+For each text (at most `max_tokens` tokens) one eager forward gives, per layer l: the hidden state entering it
+(feature_block(l)'s output, [T, dim]), the attention weights A [heads, T, T] and the values V [kv_heads, T, hd].
+Targets, per KV head g (the query heads sharing it, GQA) and token i, over the later queries j > i:
+
+- "kvzap" (KVzap, arXiv:2601.07891): log max_{j > i, q in g} A[q, j, i] * ||W_o[:, q] V[g, i]||, W_o[:, q] the
+  output projection's columns of query head q: how much token i's value ever moves a later token's output.
+- "mean": log mean_{j > i, q in g} A[q, j, i], the attention the token receives from the future on average.
+
+Tokens without a later query (the last) and the first token (the attention sink, kept by every policy with the
+prompt) are left out. The fit is Ridge on standardised features, closed form in float64 from running sums (so a run
+is resumable: the sums and the texts done are saved to `<out>.partial.pt` every `save_every` seconds and on
+interrupt, and a rerun continues; both targets are summed in one pass, so a second target costs no second run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import EpiKVError
+from .policies.learned import LearnedWeights, feature_block
+
+TARGETS = ("kvzap", "mean")
+
+
+def attention_targets(attn: torch.Tensor, values: torch.Tensor, o_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Both targets of one layer. attn: [heads, T, T] softmax weights (query j, key i); values: [kv_heads, T, hd];
+    o_weight: [hidden, heads * hd] (o_proj.weight). Returns name -> [kv_heads, T - 1] for tokens 0 .. T-2 (those
+    with a later query); callers drop token 0 themselves."""
+    h, t, _ = attn.shape
+    g, _, hd = values.shape
+    a = attn.float()
+    future = torch.ones(t, t, dtype=torch.bool, device=a.device).tril(-1)  # [j, i]: j > i
+    a = a.masked_fill(~future, 0.0)  # [heads, j, i]
+    wo = o_weight.float().view(o_weight.shape[0], h, hd)  # [hidden, heads, hd]
+    v = values.float().repeat_interleave(h // g, dim=0)  # [heads, T, hd]: the KV head of each query head
+    gram = torch.einsum("dqe,dqf->qef", wo, wo)  # [heads, hd, hd]: W_o[:, q]^T W_o[:, q]
+    onorm = torch.einsum("qte,qef,qtf->qt", v, gram, v).clamp(min=0).sqrt()  # [heads, T]: ||W_o[:, q] v_i||
+    amax = a.amax(dim=1)  # [heads, T]: max over later queries
+    kv = (amax * onorm).view(g, h // g, t).amax(1)  # [kv_heads, T]
+    n_future = torch.arange(t - 1, -1, -1, device=a.device).float()  # later queries of token i: T - 1 - i
+    mean = (a.sum(dim=1).view(g, h // g, t).sum(1) / (h // g)) / n_future.clamp(min=1)  # [kv_heads, T]
+    tiny = 1e-12
+    return {"kvzap": kv[:, :-1].clamp(min=tiny).log(), "mean": mean[:, :-1].clamp(min=tiny).log()}
+
+
+@dataclass
+class RidgeSums:
+    """Running sums for a Ridge fit of Y [N, outs] on X [N, dim], per layer (float64)."""
+
+    n_layers: int
+    dim: int
+    outs: int
+    targets: tuple[str, ...] = TARGETS
+    n: torch.Tensor = field(init=False)
+    sx: torch.Tensor = field(init=False)
+    sxx: torch.Tensor = field(init=False)
+    sy: dict = field(init=False)
+    sxy: dict = field(init=False)
+    syy: dict = field(init=False)
+
+    def __post_init__(self):
+        L, d, g = self.n_layers, self.dim, self.outs
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        self.n, self.sx, self.sxx = z(L), z(L, d), z(L, d, d)
+        self.sy = {k: z(L, g) for k in self.targets}
+        self.sxy = {k: z(L, d, g) for k in self.targets}
+        self.syy = {k: z(L, g) for k in self.targets}
+
+    def add(self, layer: int, x: torch.Tensor, ys: dict[str, torch.Tensor]) -> None:
+        """x: [N, dim]; ys: target -> [N, outs]."""
+        x = x.float().cpu()  # one text's products in float32 (a few hundred rows), summed in float64
+        self.n[layer] += x.shape[0]
+        self.sx[layer] += x.sum(0).double()
+        self.sxx[layer] += (x.T @ x).double()
+        for k in self.targets:
+            y = ys[k].float().cpu()
+            self.sy[k][layer] += y.sum(0).double()
+            self.sxy[k][layer] += (x.T @ y).double()
+            self.syy[k][layer] += (y * y).sum(0).double()
+
+    def state(self) -> dict:
+        return {"n": self.n, "sx": self.sx, "sxx": self.sxx, "sy": self.sy, "sxy": self.sxy, "syy": self.syy}
+
+    def load(self, st: dict) -> None:
+        for k, v in st.items():
+            setattr(self, k, v)
+
+    def solve(self, target: str, ridge: float) -> tuple[torch.Tensor, ...]:
+        """(weight [L, outs, dim], bias [L, outs], mean [L, dim], std [L, dim], r2 [L, outs]) of the Ridge fit on
+        standardised features: w = (C_s + ridge I)^-1 c_s, C_s the features' correlation matrix, c_s their
+        covariance with the target over their std; bias = the target's mean; r2 in-sample."""
+        if float(self.n.min()) < 2:
+            raise EpiKVError("calibrate: too few tokens to fit (give more or longer texts)")
+        n = self.n[:, None]
+        mu = self.sx / n  # [L, d]
+        cov = self.sxx / n[..., None] - mu[:, :, None] * mu[:, None, :]  # [L, d, d]
+        std = cov.diagonal(dim1=1, dim2=2).clamp(min=1e-12).sqrt()  # [L, d]
+        cs = cov / (std[:, :, None] * std[:, None, :])
+        ybar = self.sy[target] / n  # [L, g]
+        cxy = self.sxy[target] / n[..., None] - mu[:, :, None] * ybar[:, None, :]  # [L, d, g]
+        cxys = cxy / std[:, :, None]
+        eye = torch.eye(self.dim, dtype=torch.float64)
+        w = torch.linalg.solve(cs + ridge * eye, cxys)  # [L, d, g]
+        var_y = (self.syy[target] / n - ybar**2).clamp(min=1e-12)
+        resid = var_y - 2 * (w * cxys).sum(1) + torch.einsum("ldg,lde,leg->lg", w, cs, w)
+        r2 = 1 - resid / var_y
+        return w.transpose(1, 2).float(), ybar.float(), mu.float(), std.float(), r2.float()
+
+
+def read_texts(path: str, text_field: str, exclude: str | None, limit: int | None) -> list[tuple[str, str]]:
+    """(id, text) of a JSONL file's records, those whose problem or text appears in `exclude` (a JSONL, e.g. the
+    evaluation traces) left out, the first `limit` kept."""
+    p = Path(path)
+    if not p.is_file():
+        raise EpiKVError(f"calibrate: texts file {path!r} does not exist")
+    banned: set[str] = set()
+    if exclude:
+        for rec in _jsonl(exclude):
+            for k in ("problem", "prompt", "text", text_field):
+                if isinstance(rec.get(k), str):
+                    banned.add(normalise(rec[k]))
+    out = []
+    for i, rec in enumerate(_jsonl(path)):
+        text = rec.get(text_field)
+        if not isinstance(text, str) or not text.strip():
+            raise EpiKVError(f"calibrate: record {i + 1} of {path} has no text in field {text_field!r}")
+        if normalise(text) in banned or normalise(str(rec.get("problem", ""))) in banned:
+            continue
+        out.append((str(rec.get("id", i)), text))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise EpiKVError(f"calibrate: no texts left in {path}")
+    return out
+
+
+def normalise(s: str) -> str:
+    return " ".join(s.split()).lower()
+
+
+def _jsonl(path: str) -> list[dict]:
+    out = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise EpiKVError(f"calibrate: cannot read {path}: {e.strerror}") from None
+    for i, line in enumerate(lines):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise EpiKVError(f"calibrate: line {i + 1} of {path} is not JSON") from None
+            if not isinstance(rec, dict):
+                raise EpiKVError(f"calibrate: line {i + 1} of {path} is not a JSON object")
+            out.append(rec)
+    return out
+
+
+def model_signature(model) -> dict:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return {"model_type": getattr(cfg, "model_type", "?"), "layers": cfg.num_hidden_layers,
+            "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+            "kv_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            "vocab": getattr(cfg, "vocab_size", None)}
+
+
+def layer_run(model, ids: torch.Tensor):
+    """One eager forward over ids [1, T]: per layer (features [T, dim], attention [heads, T, T], values
+    [kv_heads, T, hd], o_proj weight). The only place that touches the model."""
+    from .cache import decoder_layers
+
+    layers = decoder_layers(model)
+    attn = model.config._attn_implementation
+    if attn != "eager":  # the weights exist only in eager attention; the model is handed back as it came
+        model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids.to(model.device), output_attentions=True, output_hidden_states=True,
+                        use_cache=True)
+    finally:
+        if attn != "eager":
+            model.set_attn_implementation(attn)
+    if out.attentions is None or len(out.attentions) != len(layers) or any(a is None for a in out.attentions):
+        raise EpiKVError("calibrate: the model returned no attention weights (it needs eager attention)")
+    cache = out.get("cache")  # the output's name for the cache differs across transformers 5.x
+    cache = out.get("past_key_values") if cache is None else cache
+    res = []
+    for l, layer in enumerate(layers):
+        vals = cache.layers[l].values[0]  # [kv_heads, T, hd]
+        res.append((out.hidden_states[feature_block(l) + 1][0], out.attentions[l][0], vals,
+                    layer.self_attn.o_proj.weight.detach()))
+    return res
+
+
+def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, target: str = "kvzap",
+              max_tokens: int = 512, ridge: float = 1e-3, model_name: str = "", save_every: float = 60.0,
+              progress=None) -> tuple[LearnedWeights, dict]:
+    """Fit and write the weights file `out`; returns (weights, report). Resumes from `<out>.partial.pt`."""
+    if target not in TARGETS:
+        raise EpiKVError(f"calibrate: target must be one of {', '.join(TARGETS)}, got {target!r}")
+    sig = model_signature(model)
+    partial = Path(str(out) + ".partial.pt")
+    ids_all = [i for i, _ in texts]
+    config = {"signature": sig, "max_tokens": max_tokens, "texts": hashlib.sha256("\n".join(
+        f"{i}\t{t}" for i, t in texts).encode()).hexdigest()}
+    sums = RidgeSums(sig["layers"], sig["hidden"], sig["kv_heads"])
+    done: list[str] = []
+    tokens = 0
+    if partial.exists():
+        st = torch.load(partial, weights_only=False)
+        if st.get("config") != config:
+            raise EpiKVError(f"calibrate: {partial} is from another model, text set or max_tokens: delete it or "
+                             "give the same settings")
+        sums.load(st["sums"])
+        done, tokens = list(st["done"]), int(st["tokens"])
+    t0 = time.monotonic()
+    last_save = t0
+
+    def save():
+        tmp = partial.with_suffix(".tmp")
+        torch.save({"config": config, "sums": sums.state(), "done": done, "tokens": tokens}, tmp)
+        tmp.replace(partial)
+
+    if progress is not None:
+        progress.skip(len(done))
+    try:
+        for tid, text in texts:
+            if tid in set(done):
+                continue
+            ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+            if ids.shape[1] < 3:
+                done.append(tid)
+                continue
+            for l, (x, attn, vals, wo) in enumerate(layer_run(model, ids)):
+                ys = attention_targets(attn, vals, wo)
+                sums.add(l, x[1:-1], {k: v[:, 1:].T for k, v in ys.items()})  # tokens 1 .. T-2
+            tokens += ids.shape[1] - 2
+            done.append(tid)
+            if progress is not None:
+                progress.update(1)
+            if time.monotonic() - last_save >= save_every:
+                save()
+                last_save = time.monotonic()
+    except BaseException:
+        save()  # finished texts are never lost
+        raise
+    save()
+    w, b, mu, sd, r2 = sums.solve(target, ridge)
+    meta = {"model": model_name or sig["model_type"], "signature": json.dumps(sig, sort_keys=True), "target": target,
+            "texts": len([d for d in done if d in set(ids_all)]), "text_ids": ",".join(done), "tokens": tokens,
+            "ridge": ridge, "max_tokens": max_tokens}
+    lw = LearnedWeights(w, b, mu, sd, meta)
+    lw.save(out)
+    report = {"out": str(out), "target": target, "texts": meta["texts"], "tokens": tokens,
+              "r2_mean": round(float(r2.mean()), 4), "r2_by_layer": [round(float(x), 3) for x in r2.mean(1)],
+              "seconds": round(time.monotonic() - t0, 1)}
+    return lw, report
