@@ -262,7 +262,7 @@ def test_refusals():
 def test_cli_setting_and_refusal(capsys):
     argv = ["generate", "--model", "random:tiny", "--prompt", "Hello there, my friend", "--raw", "--max-new-tokens", "40",
             "--budget", "32", "--recent", "4", "--json", "--set"]
-    assert main(argv + ["epikv.page=8"]) == 0
+    assert main(argv[:-1] + ["--policy", "epikv", "--set", "epikv.page=8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["evictions"] > 0 and 32 - 8 + 1 <= out["final_cache_tokens"] <= 32
     try:
