@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from epikv.cli import main
+from epikv.errors import EpiKVError
 from epikv.policies import get_policy, policy_names
 from epikv.retention.runner import (_stream, _stream_batch, batchable, batches, prepare_traces, run_retention)
 from epikv.retention.store import read_records
@@ -52,7 +53,16 @@ def test_batches_group_by_prompt_length_and_size(tiny):
     assert [[it.id for it in b] for b in batches(items, 1)] == [[it.id] for it in items]
 
 
-@pytest.mark.parametrize("policy", sorted(p for p in set(policy_names()) - {"full"} if batchable(get_policy(p))))
+def _batchable_on_tiny(name: str) -> bool:
+    """Batchable on the 4-block tiny model; a learned score has no weights for it (refused in one line) and is
+    left out here (its state holds its weights, no generator: tests/test_learned.py runs it)."""
+    try:
+        return batchable(get_policy(name), 4)
+    except EpiKVError:
+        return False
+
+
+@pytest.mark.parametrize("policy", sorted(p for p in set(policy_names()) - {"full"} if _batchable_on_tiny(p)))
 def test_every_batchable_policy_streams_each_row_as_alone(tiny, policy):
     """Row by row: logits, evictions and peak cache of a batch equal single runs, for every registered policy that
     batches; rows end at different chunks (one inside a chunk)."""

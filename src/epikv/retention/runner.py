@@ -108,9 +108,11 @@ def _stream(model, item: TraceItem, policy, budget: int | None, on_logits: Calla
     return fwd, stats, stats["max_cache_tokens"] * per_token / 2**20
 
 
-def batchable(policy) -> bool:
+def batchable(policy, n_layers: int = 1) -> bool:
     """Whether a policy's rows are independent, so traces may share one batch: a random-number generator in its
-    state is shared by the rows (each row's draws would depend on its batch-mates), so such policies run alone."""
+    state is shared by the rows (each row's draws would depend on its batch-mates), so such policies run alone.
+    n_layers: the model's depth (signals.model_depth), for a policy whose state depends on the model (a learned
+    score's weights are looked up by its shape)."""
     def has_gen(x, seen) -> bool:
         if isinstance(x, torch.Generator):
             return True
@@ -123,7 +125,7 @@ def batchable(policy) -> bool:
             return any(has_gen(v, seen) for v in x)
         return any(has_gen(v, seen) for v in getattr(x, "__dict__", {}).values())
 
-    return not has_gen(policy.init_state(2, 1, torch.device("cpu")), set())
+    return not has_gen(policy.init_state(2, n_layers, torch.device("cpu")), set())
 
 
 def _stream_batch(model, items: Sequence[TraceItem], policy, budget: int | None,
@@ -365,6 +367,12 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     engine = engine_of(model)
     if engine != "torch" and batch_traces > 1:
         raise EpiKVError(f"--batch-traces {batch_traces}: the {engine} engine streams one trace at a time")
+    depth = 1
+    if engine == "torch":  # batchable() builds a policy state: the model's depth names its shape
+        from ..hooks import decoder_layers
+        from ..signals import model_depth
+
+        depth = model_depth(model.config, len(decoder_layers(model)))
     for spec in policies:
         pol = get_policy(_name(spec), tau=tau, **settings_for(spec))  # unknown names and bad settings fail first
         if hasattr(model, "check"):  # what the engine cannot run is refused by name before any work
@@ -442,7 +450,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                     try:
                         if name == "full":
                             ms = [dict(fulls[i]) for i in rows]
-                        elif len(rows) > 1 and batchable(get_policy(name, tau=tau, **s)):
+                        elif len(rows) > 1 and batchable(get_policy(name, tau=tau, **s), depth):
                             ms = policy_pass_batch(model, [group[i] for i in rows], [refs[i] for i in rows], name, b,
                                                    tau, **s)
                         else:
