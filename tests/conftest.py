@@ -23,3 +23,33 @@ def smollm2():
     from epikv import load_model
 
     return load_model("smollm2")
+
+
+def write_random_weights(path, n_layers: int, kv_heads: int, hidden: int, seed: int = 0) -> str:
+    """A learned-score weights file of the given model shape, random (written in `epikv calibrate`'s format): the
+    shipped weights fit SmolLM2 only, and a learned policy refuses any other shape in one line."""
+    from epikv.policies.learned import LearnedWeights
+
+    g = torch.Generator().manual_seed(seed)
+    LearnedWeights(torch.randn(n_layers, kv_heads, hidden, generator=g), torch.zeros(n_layers, kv_heads),
+                   torch.zeros(n_layers, hidden), torch.ones(n_layers, hidden), {"model": "tiny"}).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_settings(tmp_path_factory):
+    """settings(name) -> the policy settings a test passes to run `name` on random:tiny: random weights of its shape
+    for a learned score, nothing for any other policy."""
+    import dataclasses
+
+    from epikv.policies import REGISTRY
+
+    folder = tmp_path_factory.mktemp("tiny-weights")
+
+    def settings(name: str) -> dict:
+        fields = {f.name for f in dataclasses.fields(REGISTRY[name])}
+        if "weights" not in fields:
+            return {}
+        return {"weights": write_random_weights(folder / f"{name}.safetensors", 4, 2, 64)}
+
+    return settings

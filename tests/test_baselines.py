@@ -31,38 +31,39 @@ def tiny():
 _full_cache: dict = {}
 
 
-def _run(lm, name, batch, tau, budget, sampling=None):
+def _run(lm, name, batch, tau, budget, sampling=None, **settings):
     return generate(lm.model, lm.tokenizer, PROMPTS[batch], policy=name, budget=budget, tau=tau,
-                    max_new_tokens=NEW, sampling=sampling or Sampling())
+                    max_new_tokens=NEW, sampling=sampling or Sampling(), **settings)
 
 
 @pytest.mark.parametrize("tau", [1, 16])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", list(REGISTRY))
-def test_matrix(tiny, name, batch, tau):
+def test_matrix(tiny, tiny_settings, name, batch, tau):
     """Every policy x (batch 1, left-padded batch 2) x (tau 1, 16): runs, stays within budget + tau - 1, produces
     tokens. Determinism for a seed and equality with `full` under a large budget are checked on the padded batch
     at tau 1 (the strictest cell; tau does not matter without eviction), to keep the suite fast on 2 CPU cores."""
     pol = get_policy(name)
+    st = tiny_settings(name)  # a learned score: random weights of the tiny shape
     if pol.uncompressed_layers(4) and batch == 2:  # knorm: a padded batch is refused with a clear error
         with pytest.raises(EpiKVError, match="padded batch"):
-            _run(tiny, name, batch, tau, BUDGET)
+            _run(tiny, name, batch, tau, BUDGET, **st)
         return
     samp = Sampling(temperature=1.0, seed=3)
-    a = _run(tiny, name, batch, tau, BUDGET, samp)
+    a = _run(tiny, name, batch, tau, BUDGET, samp, **st)
     assert all(len(t) == NEW for t in a.token_ids)  # random weights never emit EOS this early
     if pol.evicts:
         assert a.stats["max_cache_tokens"] <= BUDGET + tau - 1
         assert a.stats["final_cache_tokens"] <= BUDGET + tau - 1 and a.stats["evictions"] >= 1
     if (batch, tau) != (2, 1) and not (pol.uncompressed_layers(4) and batch == 1 and tau == 1):
         return
-    b = _run(tiny, name, batch, tau, BUDGET, samp)
+    b = _run(tiny, name, batch, tau, BUDGET, samp, **st)
     assert a.token_ids == b.token_ids  # deterministic for a seed
     # a budget above the final length never evicts: identical to the full cache (greedy)
     key = (batch, tau)
     if key not in _full_cache:
         _full_cache[key] = _run(tiny, "full", batch, tau, None).token_ids
-    big = _run(tiny, name, batch, tau, 64)
+    big = _run(tiny, name, batch, tau, 64, **st)
     assert big.stats.get("evictions", 0) == 0
     assert big.token_ids == _full_cache[key]
 

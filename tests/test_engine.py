@@ -263,7 +263,7 @@ def test_eos_and_stop_strings(tiny):
     assert "".join(streamed) == r.texts[0] and r.stats["new_tokens"] == [len(kept)]
 
 
-def test_epikv_family_is_attention_free(tiny, monkeypatch):
+def test_epikv_family_is_attention_free(tiny, tiny_settings, monkeypatch):
     """EPIKV policies never request attention weights and never leave SDPA."""
     import transformers.models.llama.modeling_llama as ml
 
@@ -285,7 +285,8 @@ def test_epikv_family_is_attention_free(tiny, monkeypatch):
         if pol.attention_free:
             assert not pol.observes(4).attention_layers
             prompts = PROMPTS if name in ALL else PROMPTS[:1]  # baselines have their own padded-batch tests
-            generate(m, tiny.tokenizer, prompts, policy=name, budget=16, tau=2, max_new_tokens=24, eos_token_ids=[])
+            generate(m, tiny.tokenizer, prompts, policy=name, budget=16, tau=2, max_new_tokens=24, eos_token_ids=[],
+                     **tiny_settings(name))
     assert {"epikv", "epikv-raw", "epikv-a", "epikv-band", "lag-kv"} <= {n for n, c in REGISTRY.items()
                                                                           if c.attention_free}
 
@@ -320,10 +321,10 @@ def test_layer_override_changes_observation(tiny):
     assert get_policy("epikv").observes(30).hidden_layers == (9, 20)
     assert get_policy("epikv", layers=(0, 3)).observes(4).hidden_layers == (0, 3)
     assert get_policy("epikv-band").observes(32).hidden_layers == tuple(range(7, 14)) + tuple(range(18, 26))
-    a = generate(tiny.model, tiny.tokenizer, PROMPTS[0], budget=16, max_new_tokens=30, eos_token_ids=[],
-                 layers=(0, 3))
-    b = generate(tiny.model, tiny.tokenizer, PROMPTS[0], budget=16, max_new_tokens=30, eos_token_ids=[],
-                 layers=(1, 2))
+    a = generate(tiny.model, tiny.tokenizer, PROMPTS[0], policy="epikv", budget=16, max_new_tokens=30,
+                 eos_token_ids=[], layers=(0, 3))
+    b = generate(tiny.model, tiny.tokenizer, PROMPTS[0], policy="epikv", budget=16, max_new_tokens=30,
+                 eos_token_ids=[], layers=(1, 2))
     assert a.stats["evictions"] > 0 and a.token_ids != b.token_ids
 
 
@@ -358,9 +359,9 @@ def test_streamed_text_adds_up(smollm2):
         caches.append(info.cache_tokens)
 
     res = generate(smollm2.model, smollm2.tokenizer, "Write the numbers one to ten in words:", chat=True,
-                   budget=64, max_new_tokens=40, on_step=on_step)
+                   budget=56, tau=4, max_new_tokens=40, on_step=on_step)  # the default policy, evicting
     assert "".join(pieces).strip() == res.texts[0].strip()
-    assert max(caches) <= 64 and len(pieces) == len(res.token_ids[0])
+    assert res.stats["evictions"] > 0 and max(caches) <= 56 + 4 - 1 and len(pieces) == len(res.token_ids[0])
 
 
 def test_protected_part_and_recency_must_fit_the_budget_exactly():

@@ -66,7 +66,8 @@ def test_cache_reads_the_published_pair_of_its_model(tiny, monkeypatch):
 
 
 def test_generate_json_names_the_blocks(capsys, tiny, monkeypatch):
-    argv = ["generate", "--model", "random:tiny", "--prompt", "Hello there", "--max-new-tokens", "2", "--json"]
+    argv = ["generate", "--model", "random:tiny", "--prompt", "Hello there", "--max-new-tokens", "2", "--json",
+            "--policy", "epikv"]  # the default (epikv-seg-q) reads one block: the flat score's pair is named here
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     # 4 blocks: round(10 * 4 / 32) = 1, round(21 * 4 / 32) = 3
@@ -86,7 +87,7 @@ def test_generate_json_names_the_blocks(capsys, tiny, monkeypatch):
 def test_generate_live_names_the_blocks_once_the_run_starts(capsys, tiny):
     # the note comes once, on stderr, when the run has passed its checks (a refused run prints one error line only:
     # test_cli.test_generate_bad_input)
-    argv = ["generate", "--model", "random:tiny", "--prompt", "Hello there", "--max-new-tokens", "3"]
+    argv = ["generate", "--model", "random:tiny", "--prompt", "Hello there", "--max-new-tokens", "3", "--policy", "epikv"]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("[epikv reads blocks 1, 3 (from the paper's 10, 21 of 32, scaled to 1, 3 for 4 blocks)]") == 1

@@ -550,7 +550,7 @@ def test_a_tiny_gguf_runs_with_the_last_block_captured(tmp_path):
     _run(dec, list(range(100, 112)), 40)
     assert dec.stored() == 24 and dec.evictions == 12 + 40 - 24
     p = _cli("generate", "--engine", "llama.cpp", "--model", str(tmp_path / "tiny.gguf"), "--raw", "--prompt",
-             "Hello there", "--budget", "16", "--max-new-tokens", "20", "--threads", "1", "--json")
+             "Hello there", "--budget", "16", "--max-new-tokens", "20", "--threads", "1", "--json", "--policy", "epikv")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["final_cache_tokens"] <= 16
 

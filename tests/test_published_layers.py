@@ -20,6 +20,8 @@ import torch
 from epikv import signals
 from epikv.policies import REGISTRY, get_policy
 
+from conftest import write_random_weights
+
 ENTRIES = sorted(signals.PUBLISHED_PAIRS)  # (model_type, blocks, hidden size)
 EVICTING = sorted(n for n, cls in REGISTRY.items() if cls.evicts)  # `full` reads nothing at an eviction it never makes
 TINY_HIDDEN = 32
@@ -117,13 +119,7 @@ def _settings(name: str, n_layers: int, hidden: int, folder) -> dict:
     cls = REGISTRY[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     if "weights" in fields:
-        from epikv.policies.learned import LearnedWeights
-
-        g = torch.Generator().manual_seed(0)
-        path = folder / f"{name}-{n_layers}-{hidden}.safetensors"
-        LearnedWeights(torch.randn(n_layers, 2, hidden, generator=g), torch.zeros(n_layers, 2),
-                       torch.zeros(n_layers, hidden), torch.ones(n_layers, hidden), {"model": "tiny"}).save(path)
-        s["weights"] = str(path)
+        s["weights"] = write_random_weights(folder / f"{name}-{n_layers}-{hidden}.safetensors", n_layers, 2, hidden)
     if "segment" in fields:
         s["segment"] = 8
     if "window" in fields and name.startswith("epikv"):

@@ -106,7 +106,8 @@ def _status(err: str) -> tuple[int, int, int]:
 
 
 def test_cli_status_line_and_json_agree(capsys, monkeypatch):
-    argv = ["generate", "--raw", "--prompt", "The capital of France is", "--budget", "24", "--max-new-tokens", "40"]
+    argv = ["generate", "--raw", "--prompt", "The capital of France is", "--budget", "24", "--max-new-tokens", "40",
+            "--policy", "epikv"]  # tau 16: the default policy's tau 128 would not evict within 40 tokens
     assert main(argv + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["finish_reason"] == "eos" and d["new_tokens"] < 40 and d["new_tokens"] % 16 != 0

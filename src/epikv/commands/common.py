@@ -282,7 +282,9 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
                             + ("" if own_default else f" ({default_policy_help(by_engine)})"))
         g.add_argument("--budget", type=positive_int, default=1024, action=_Given,
                        help="cache budget K (tokens, prompt included; ignored by full, with a warning)")
-    g.add_argument("--tau", type=positive_int, default=None, help="eviction interval (default 1: every step)")
+    g.add_argument("--tau", type=positive_int, default=None,
+                   help="eviction interval in steps (default: the policy's own, 128 for epikv-seg and epikv-seg-q, 1 "
+                        "for the rest)")
     g.add_argument("--recent", type=nonneg_int, default=None, help="protected recent tokens (default min(128, K/4))")
     g.add_argument("--no-protect-prompt", action="store_true", help="protect only the first --n-sink tokens")
     g.add_argument("--n-sink", type=nonneg_int, default=None,
