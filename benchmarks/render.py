@@ -662,7 +662,7 @@ def headline() -> str:
          f"K = {srv['streams']['budget']}, a KV stream per sequence (2 threads)",
          f"{w['streams']:.1f} tok/s over the first {win} s: {w['streams'] / w['torch']:.2f}x the torch server and "
          f"{w['streams'] / w['unified']:.2f}x llama.cpp's unified cache, at equal KV bytes",
-         "[serving](docs/serve.md#both-engines-one-load)"],
+         "[serving](docs/benchmarks.md#both-engines-one-load)"],
         ["`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, 8 requests at once (2 threads)",
          f"8 x 1,024 tokens: llama-server {ls['llama-server']['tokens_per_s']:.1f} tok/s; epikv on streams: `full` "
          f"{ls['full']['tokens_per_s']:.1f}, K = 256 on "
@@ -670,7 +670,7 @@ def headline() -> str:
          f"{ls['epikv K=256']['tokens_per_s']:.1f}; 8 x 3,072 on 1,280 cells a sequence: llama-server stops each "
          f"request at {ls3['llama-server']['generated_tokens'] / ls3['llama-server']['requests']:,.0f} tokens, "
          f"epikv K = 1024 {_generates(ls3['epikv K=1024'])}",
-         "[serving](docs/serve.md#llamacpps-own-server)"],
+         "[serving](docs/benchmarks.md#llamacpps-own-server)"],
         ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
          f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache",
