@@ -389,7 +389,7 @@ def bench_overhead() -> str:
     d = load_json(f)
     budgets = d["budgets"]
     labels = [c["label"] for c in budgets[0]["configs"]]
-    head = ["SmolLM2-135M, CPU, float32, 1 thread: ms / token (vs full; vs transformers)"] + [
+    head = [f"SmolLM2-135M, CPU, float32, {_threads(d['settings']['threads'])}: ms / token (vs full; vs transformers)"] + [
         f"K = {b['budget']}" for b in budgets]
     rows = []
     for lab in labels:
@@ -624,6 +624,8 @@ def headline() -> str:
     step = load_json("llamacpp/step.json")
     srv = _streams_rows()
     _, ls, ls3 = ({r["label"]: r for r in _serve_rows(f)} for f in LLAMA_SERVER)
+    ls_k = next(r for k, r in ls.items() if k.startswith("epikv"))  # the evicting rows, whatever their K
+    ls3_k = next(r for k, r in ls3.items() if k.startswith("epikv"))
     win = _window(list(srv.values()))
     w = {k: _in_window(r, win) for k, r in srv.items()}
     _, cells = _retention_records()
@@ -659,19 +661,23 @@ def headline() -> str:
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         [f"`epikv serve --engine llama.cpp`, {srv['streams']['requests']} x {srv['streams']['max_tokens']:,} tokens, "
-         f"K = {srv['streams']['budget']}, a KV stream per sequence (2 threads)",
+         f"K = {srv['streams']['budget']}, a KV stream per sequence ({_threads(srv['streams']['server']['threads'])})",
          f"{w['streams']:.1f} tok/s over the first {win} s: {w['streams'] / w['torch']:.2f}x the torch server and "
          f"{w['streams'] / w['unified']:.2f}x llama.cpp's unified cache, at equal KV bytes",
          "[serving](docs/benchmarks.md#both-engines-one-load)"],
-        ["`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, 8 requests at once (2 threads)",
-         f"8 x 1,024 tokens: llama-server {ls['llama-server']['tokens_per_s']:.1f} tok/s; epikv on streams: `full` "
-         f"{ls['full']['tokens_per_s']:.1f}, K = 256 on "
-         f"{100 * ls['epikv K=256']['cells'] / ls['full']['cells']:.0f} % of the cells "
-         f"{ls['epikv K=256']['tokens_per_s']:.1f}; 8 x 3,072 on 1,280 cells a sequence: llama-server stops each "
+        [f"`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, {ls['full']['requests']} requests "
+         f"at once ({_threads(ls['full']['server']['threads'])})",
+         f"{ls['full']['requests']} x {ls['full']['max_tokens']:,} tokens: llama-server "
+         f"{ls['llama-server']['tokens_per_s']:.1f} tok/s; epikv on streams: `full` "
+         f"{ls['full']['tokens_per_s']:.1f}, K = {ls_k['budget']} on "
+         f"{100 * ls_k['cells'] / ls['full']['cells']:.0f} % of the cells "
+         f"{ls_k['tokens_per_s']:.1f}; {ls3_k['requests']} x {ls3_k['max_tokens']:,} on "
+         f"{ls3_k['cells'] // ls3_k['requests']:,} cells a sequence: llama-server stops each "
          f"request at {ls3['llama-server']['generated_tokens'] / ls3['llama-server']['requests']:,.0f} tokens, "
-         f"epikv K = 1024 {_generates(ls3['epikv K=1024'])}",
+         f"epikv K = {ls3_k['budget']} {_generates(ls3_k)}",
          "[serving](docs/benchmarks.md#llamacpps-own-server)"],
-        ["torch engine, generation to 8,192 positions (SmolLM2, CPU)",
+        [f"torch engine, generation to {max(long8k['settings']['long_lengths']) + long8k['settings']['prompt_tokens']:,}"
+         " positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
          f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache",
          "[benchmarks](docs/benchmarks.md#generation-to-the-context-limit-torch-engine)"],
@@ -904,10 +910,10 @@ def figure(out: Path = FIGURE) -> Path:
         xs = [(i + 1) * d["segment"] for i in range(len(v))]
         label = f"{name}, K = {d['budget']}" if name.startswith("epikv") else name
         ax.plot(xs, v, marker="o", label=label)
-    ax.set_xlabel("generated tokens (end of each 1,000-token segment)")
+    ax.set_xlabel(f"generated tokens (end of each {d['segment']:,}-token segment)")
     ax.set_ylabel("decode tokens/s")
     ax.set_ylim(bottom=0)
-    ax.set_title("SmolLM2-135M Q4_1 in llama.cpp, 1 CPU thread (interleaved.json)", fontsize=10)
+    ax.set_title(f"SmolLM2-135M Q4_1 in llama.cpp, {_threads(d['threads'])} (interleaved.json)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
     fig.tight_layout()
