@@ -259,26 +259,42 @@ def capture(args):
 
 
 def interleaved(args):
-    """epikv K and plain llama.cpp with the whole cache in one process, alternating segment by segment: the
-    tokens/s ratio per segment is measured under the same load."""
+    """epikv K (`--policy`) and plain llama.cpp with the whole cache in one process, alternating segment by segment:
+    the tokens/s ratio per segment is measured under the same load. `--repeats N` runs the pair N times from a fresh
+    prefill (the order of the two alternating each repeat), records every repeat and the machine's load before it,
+    and reports the per-segment median of the repeats and of their ratios."""
+    import statistics
+
     from epikv.llamacpp import load_gguf
 
     gm = load_gguf("smollm2")
     ids = _prompt_ids(gm)
-    runs = {"epikv llama.cpp": _Llama(gm, ids, "epikv", args.budget, "auto", args.gen),
-            "plain llama.cpp, whole cache": _Raw(gm, ids, args.gen)}
-    segs = {k: [] for k in runs}
-    for s in range(0, args.gen, args.segment):
-        n = min(args.segment, args.gen - s)
-        for k, r in runs.items():
-            t0 = time.perf_counter()
-            r.run(n)
-            segs[k].append(round(n / (time.perf_counter() - t0), 2))
-        print({k: v[-1] for k, v in segs.items()}, file=sys.stderr)
-    e, f = segs["epikv llama.cpp"], segs["plain llama.cpp, whole cache"]
-    return dict(segments_tok_s=segs, epikv_over_full_per_segment=[round(a / b, 2) for a, b in zip(e, f)],
-                gen=args.gen, segment=args.segment, budget=args.budget, threads=args.threads,
-                kv_cells={"epikv llama.cpp": runs["epikv llama.cpp"].dec.n_ctx})
+    ep_name = "epikv llama.cpp" if args.policy == "epikv" else f"{args.policy} llama.cpp"
+    pl_name = "plain llama.cpp, whole cache"
+    repeats = []
+    for rep in range(args.repeats):
+        load_before = os.getloadavg()
+        runs = {ep_name: _Llama(gm, ids, args.policy, args.budget, "auto", args.gen), pl_name: _Raw(gm, ids, args.gen)}
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
+        segs = {k: [] for k in runs}
+        for s in range(0, args.gen, args.segment):
+            n = min(args.segment, args.gen - s)
+            for k in order:
+                t0 = time.perf_counter()
+                runs[k].run(n)
+                segs[k].append(round(n / (time.perf_counter() - t0), 2))
+            print(rep, {k: v[-1] for k, v in segs.items()}, file=sys.stderr)
+        repeats.append(dict(segments_tok_s=segs, load_before=[round(x, 2) for x in load_before], first=order[0],
+                            ratio_per_segment=[round(a / b, 3) for a, b in zip(segs[ep_name], segs[pl_name])],
+                            kv_cells=runs[ep_name].dec.n_ctx))
+        del runs
+    med = {k: [round(statistics.median(r["segments_tok_s"][k][i] for r in repeats), 2)
+               for i in range(len(repeats[0]["segments_tok_s"][k]))] for k in (ep_name, pl_name)}
+    ratio = [round(statistics.median(r["ratio_per_segment"][i] for r in repeats), 2)
+             for i in range(len(repeats[0]["ratio_per_segment"]))]
+    return dict(segments_tok_s=med, epikv_over_full_per_segment=ratio, repeats=repeats, n_repeats=args.repeats,
+                policy=args.policy, gen=args.gen, segment=args.segment, budget=args.budget, threads=args.threads,
+                kv_cells={ep_name: repeats[0]["kv_cells"]})
 
 
 def main():
@@ -296,6 +312,7 @@ def main():
     ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                     help="llama.cpp's flash attention in every llama.cpp configuration (default: llama.cpp's choice)")
     ap.add_argument("--type-kv", choices=["f16", "f32"], default="f16", help="llama.cpp's K and V cache type")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved: run the pair this many times")
     ap.add_argument("--out", default=None)
     ARGS = args = ap.parse_args()
     if args.gen is None:

@@ -168,9 +168,20 @@ def llamacpp_interleaved() -> str:
     head = ["tok/s per %d tokens" % d["segment"]] + _segments(n, d["segment"])
     rows = [[k + (f", K = {d['budget']}" if k.startswith("epikv") else "")] + [f2(x) for x in v]
             for k, v in seg.items()]
-    rows.append(["epikv / plain"] + [f2(x) for x in d["epikv_over_full_per_segment"]])
-    return (table(head, rows) + "\n\nThe two configurations alternate segment by segment in one process.\n\n"
-            + source_line([f], d["command"]))
+    ep, pl = (next(v for k, v in seg.items() if k.startswith(w)) for w in ("epikv", "plain"))
+    rows.append(["epikv / plain"] + [f"{round(a, 2) / round(b, 2):.2f}" for a, b in zip(ep, pl)])  # of the rates shown
+    return (table(head, rows) + "\n\nThe two configurations alternate segment by segment in one process"
+            + _repeats_note(d) + ".\n\n" + source_line([f], d["command"]))
+
+
+def _repeats_note(d: dict) -> str:
+    """How many interleaved repeats a row's medians come from, and the machine's load before each (from the file)."""
+    reps = d.get("repeats") or []
+    if len(reps) < 2:
+        return f" (one run, load {d['load_average'][0]:.2f} at its end)" if d.get("load_average") else ""
+    loads = ", ".join(f"{r['load_before'][0]:.2f}" for r in reps)
+    return (f"; each figure is the median of {len(reps)} repeats from a fresh prefill, the pair's order alternating, "
+            f"on {d['cpus']} cores with a load of {loads} before each")
 
 
 def _serve_rows(rel: str) -> list[dict]:
@@ -635,7 +646,8 @@ def headline() -> str:
     long_ep = next(r for r in long_rows if (r["engine"], r["policy"]) == ("llama.cpp", "epikv"))["segments_tok_s"]
     long_pl = next(r for r in long_rows if (r["engine"], r["policy"]) == ("llama.cpp", "full"))["segments_tok_s"]
     long_d = load_json("llamacpp/long.json")
-    if (long_d["segment"], len(long_ep)) != (inter["segment"], inter["gen"] // inter["segment"]):
+    if len(inter.get("repeats") or []) < 2 and (long_d["segment"], len(long_ep)) != (
+            inter["segment"], inter["gen"] // inter["segment"]):  # one run: long.json is cited beside it
         raise RenderError("llamacpp/long.json and interleaved.json time different segments: no like-for-like ratio")
     seg = inter["segments_tok_s"]
     ep_v = next(v for k, v in seg.items() if k.startswith("epikv"))
@@ -653,9 +665,12 @@ def headline() -> str:
         q["generated"] for q in long8k["long"] if q["status"] == "ok")}
     rows = [
         [f"llama.cpp, {inter['gen']:,}-token generation (SmolLM2 Q4_1, CPU, {_threads(inter['threads'])})",
-         f"tokens {inter['gen'] - inter['segment'] + 1}-{inter['gen']}: {ep_v[-1]:.2f} tok/s at K = {inter['budget']}"
-         f" against {pl_v[-1]:.2f} with the whole cache ({_ratio(ep_v[-1], pl_v[-1])}; one run on {inter['cpus']} shared cores: "
-         f"another, `long.json`, measured {_ratio(long_ep[-1], long_pl[-1])})",
+         f"tokens {inter['gen'] - inter['segment'] + 1}-{inter['gen']}: {ep_v[-1]:.2f} tok/s with "
+         f"`{inter.get('policy', 'epikv')}` at K = {inter['budget']} against {pl_v[-1]:.2f} with the whole cache "
+         + (f"({_ratio(ep_v[-1], pl_v[-1])}; one run on {inter['cpus']} shared cores: another, `long.json`, measured "
+            f"{_ratio(long_ep[-1], long_pl[-1])})" if len(inter.get("repeats") or []) < 2 else
+            f"({_ratio(ep_v[-1], pl_v[-1])}; medians of {len(inter['repeats'])} interleaved repeats, load "
+            f"{max(r['load_before'][0] for r in inter['repeats']):.2f} or less before each)"),
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         ["llama.cpp, cost of an evicting step (K = %d)" % step["budget"],
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
