@@ -53,3 +53,25 @@ def tiny_settings(tmp_path_factory):
         return {"weights": write_random_weights(folder / f"{name}.safetensors", 4, 2, 64)}
 
     return settings
+
+
+def record_keeps(monkeypatch, take) -> dict:
+    """Spy on PolicyState.keep: {n: [take(keep, kwargs) for each keep set]} for the n-th PolicyState that evicted
+    (one per generation or served request). Each log lives on its PolicyState, never keyed by id(): an id is reused
+    once a finished request's state is freed, which merged two requests' logs."""
+    from epikv.policy_state import PolicyState
+
+    seen: dict[int, list] = {}
+    orig = PolicyState.keep
+
+    def spy(self, *a, **kw):
+        keep = orig(self, *a, **kw)
+        log = getattr(self, "_test_keep_log", None)
+        if log is None:
+            log = self._test_keep_log = []
+            seen[len(seen)] = log
+        log.append(take(keep, kw))
+        return keep
+
+    monkeypatch.setattr(PolicyState, "keep", spy)
+    return seen

@@ -16,6 +16,8 @@ from epikv.cli import main
 from epikv.engine import Decoder
 from epikv.policies.learned import LearnedWeights, load_weights, shipped_weights
 
+from conftest import record_keeps
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
 
@@ -223,18 +225,9 @@ def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatc
     """epikv-learned-mean in the paged server (page 4, 2 requests in one forward) keeps the torch engine's batch-1
     sets at page 4 at every eviction, with the same tokens."""
     from epikv import generate
-    from epikv.policy_state import PolicyState
     from epikv.serving import ServeSpec, run_batch
 
-    seen: dict[int, list] = {}
-    orig = PolicyState.keep
-
-    def spy(self, *a, **kw):
-        keep = orig(self, *a, **kw)
-        seen.setdefault(id(self), []).append(keep[0].tolist())
-        return keep
-
-    monkeypatch.setattr(PolicyState, "keep", spy)
+    seen = record_keeps(monkeypatch, lambda keep, kw: keep[0].tolist())
 
     g = torch.Generator().manual_seed(6)
     path = tmp_path / "r.safetensors"

@@ -49,6 +49,8 @@ def test_a_real_sigint_during_decodes_is_raised_once_after_the_step(gm, policy, 
             spans.append((t0, time.monotonic()))
 
     monkeypatch.setattr(ll, "llama_decode", timed)
+    # Python's own SIGINT handler, as a user's process has it (an earlier test in the session may have left another)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     escaped = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: escaped.append(u.exc_type))
     dec = LlamaDecoder(gm, policy, 1024, max_tokens=1200, threads=1, capture="python")

@@ -280,3 +280,31 @@ def test_chat_content_as_a_list_of_text_parts(request, tok):
             app.client.chat.completions.create(model="scripted", messages=[sys_msg, {"role": "user", "content": bad}])
         assert e.value.status_code == 400 and needle in e.value.message and "\n" not in e.value.message, \
             e.value.message
+
+
+def test_metrics_of_several_replicas_merge_with_a_replica_label():
+    """`serve --ray`'s /metrics: every replica's series in one exposition, each sample labelled with its replica,
+    values untouched (a sum over replicas gives the deployment's totals); a replica's unparsable text is left out."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from epikv.serving.metrics import merge_replicas
+
+    def text(done, seconds):
+        reg = CollectorRegistry()
+        Counter("epikv_requests", "Requests by outcome", ["outcome"], registry=reg).labels("completed").inc(done)
+        h = Histogram("epikv_request_latency_seconds", "latency", buckets=(1.0, 5.0), registry=reg)
+        for s in seconds:
+            h.observe(s)
+        return generate_latest(reg).decode()
+
+    out = merge_replicas({"r1": text(2, [0.5]), "r2": text(5, [2.0, 7.0]), "broken": "epikv_x{ 1"}).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(out)}
+    done = {s.labels["replica"]: s.value for s in fams["epikv_requests"].samples if s.name == "epikv_requests_total"}
+    assert done == {"r1": 2.0, "r2": 5.0}
+    assert all(s.labels["outcome"] == "completed" for s in fams["epikv_requests"].samples)
+    lat = fams["epikv_request_latency_seconds"]
+    count = {s.labels["replica"]: s.value for s in lat.samples if s.name.endswith("_count")}
+    le5 = {s.labels["replica"]: s.value for s in lat.samples if s.name.endswith("_bucket") and s.labels["le"] == "5.0"}
+    assert count == {"r1": 1.0, "r2": 2.0} and le5 == {"r1": 1.0, "r2": 1.0}
+    assert lat.type == "histogram" and "broken" not in out

@@ -1,7 +1,8 @@
 """`epikv serve --ray` on one local Ray instance for the module (Ray's start-up is slow on a shared 2-core machine):
 two replicas of the torch engine behind Ray Serve's proxy, the same tiny model and options as test_serving_http's
 single server. Answers equal the library's run of the same prompts (as the single server's do), whichever replica
-serves them; a sampled request's seed gives the same answer on any replica; /stats reports every replica by id;
+serves them; a sampled request's seed gives the same answer on any replica; /stats reports every replica by id and
+/metrics every replica's series, labelled;
 429 with Retry-After when the replicas' waiting queues are full; a replica killed mid-stream ends its stream with
 an error (no hang), the next requests are answered and Ray restarts the replica; SIGTERM drains (in flight
 finishes, new requests get 503) and exits 0."""
@@ -88,6 +89,15 @@ def test_models_health_stats_per_replica(ray_served):
     assert all(r["server"]["replica"] == k and r["engine"]["pages_in_use"] == 0 for k, r in reps.items()), reps
     st = ray_served.get("/stats")
     assert st["server"]["replica"] in reps
+    # /metrics covers every replica: one series per replica, labelled, agreeing with each replica's /stats
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(ray_served.url + "/metrics", timeout=30) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    done = {s.labels["replica"]: s.value for s in fams["epikv_requests"].samples
+            if s.name == "epikv_requests_total" and s.labels["outcome"] == "completed"}
+    assert set(done) == set(reps), (done, list(reps))
+    assert all(done[k] == r["http"]["completed"] for k, r in reps.items()), (done, reps)
     kw = dict(model=MODEL, prompt=_texts(3)[2], max_tokens=20, temperature=0.6, top_p=0.95, seed=11)
     answers = {}
     for _ in range(8):  # the same seed, the same answer, on either replica

@@ -15,7 +15,7 @@ from epikv import EpiKVError, generate
 from epikv.engine import Decoder
 from epikv.policies import CacheView
 from epikv.policies.epikv_seg import seg_keep, seg_page_keep
-from epikv.policy_state import PolicyState
+from conftest import record_keeps
 from epikv.serving import ServeSpec, ServingUnsupported, check_serving, run_batch
 from epikv.serving.checks import check_internals
 
@@ -76,17 +76,8 @@ def test_page_rule_refusals():
 def _record(monkeypatch):
     """Every keep set any engine asks PolicyState for, per PolicyState (one per generation or request), with the
     queries the view held (Seg-Q)."""
-    seen: dict[int, list] = {}
-    orig = PolicyState.keep
-
-    def spy(self, *a, **kw):
-        keep = orig(self, *a, **kw)
-        q = [x.detach().cpu().clone() for x in kw.get("queries") or () if x is not None]
-        seen.setdefault(id(self), []).append((keep.detach().cpu().clone(), q))
-        return keep
-
-    monkeypatch.setattr(PolicyState, "keep", spy)
-    return seen
+    return record_keeps(monkeypatch, lambda keep, kw: (
+        keep.detach().cpu().clone(), [x.detach().cpu().clone() for x in kw.get("queries") or () if x is not None]))
 
 
 @pytest.mark.parametrize("policy", ["epikv-seg-q", "epikv-seg"])

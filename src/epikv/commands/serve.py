@@ -121,6 +121,18 @@ def _max_positions(model) -> int | None:
 
 
 def run(args) -> int:
+    """`epikv serve`. The server takes SIGINT / SIGTERM (drain, then stop) and ignores them while it stops; the
+    handlers the caller had are put back when it returns (`epikv.cli.main` called from Python, a test session)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(args)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _run(args) -> int:
     if getattr(args, "ray", False):
         from ..serving.ray_serve import run_ray
 

@@ -422,9 +422,10 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 # ---------------------------------------------------------------------- the app
-def build_app(server: Server, extra_stats=None, headers: dict | None = None):
+def build_app(server: Server, extra_stats=None, headers: dict | None = None, metrics_text=None):
     """The FastAPI application over `server`. extra_stats: a function whose dict /stats adds (a Ray Serve replica:
-    every replica's figures); headers: added to /stats and /metrics (a replica's id)."""
+    every replica's figures); headers: added to /stats and /metrics (a replica's id); metrics_text: a function
+    whose bytes /metrics answers instead of this server's own (a Ray Serve replica: every replica's series)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -465,7 +466,8 @@ def build_app(server: Server, extra_stats=None, headers: dict | None = None):
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST, headers=headers)
+        body = server.metrics.text() if metrics_text is None else await asyncio.to_thread(metrics_text)
+        return Response(body, media_type=CONTENT_TYPE_LATEST, headers=headers)
 
     async def handle(request: Request, chat: bool):
         try:

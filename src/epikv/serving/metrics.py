@@ -75,3 +75,32 @@ class _EngineCollector:
         yield CounterMetricFamily("epikv_evicted_tokens", "Tokens evicted", value=g["evicted_tokens"])
         yield CounterMetricFamily("epikv_preemptions", "Requests preempted (offloaded or re-prefilled)",
                                   value=g["preemptions"])
+
+
+def merge_replicas(texts: dict[str, str]) -> bytes:
+    """Several servers' /metrics (Prometheus text, by replica id) as one exposition: every sample of every family
+    with a `replica` label added, the families' help and type kept (the usual way a scrape covers several
+    replicas: `sum without (replica) (...)` gives the deployment's totals). A replica whose text does not parse is
+    left out, never the whole scrape."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    merged: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except Exception:  # noqa: BLE001 (one replica's bad text must not fail the scrape)
+            continue
+        for fam in families:
+            out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
+            for s in fam.samples:
+                out.add_sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+
+    class _Merged:
+        def collect(self):
+            return list(merged.values())
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Merged())
+    return generate_latest(reg)

@@ -12,8 +12,9 @@ proxy picks the less loaded replica, so a 429 comes when the replicas sampled ar
 drain: on SIGTERM the command sets a flag every replica reads within half a second (`_Registry`, a named Ray actor),
 so each answers 503 with Retry-After to new requests and lets its requests in flight finish (up to --drain-timeout),
 then Serve is shut down. /stats is the answering replica's, with every replica's latest figures under "replicas"
-(each reports every half second), keyed by replica id; /metrics is the answering replica's (its id in the
-X-Epikv-Replica header); answer ids carry the replica id.
+(each reports every half second), keyed by replica id; /metrics covers every live replica, each series labelled
+with its `replica` (the answering one's series as of the scrape, the others' at most half a second old; the
+answering replica's id is in the X-Epikv-Replica header); answer ids carry the replica id.
 """
 
 from __future__ import annotations
@@ -34,22 +35,31 @@ REPORT_S = 0.5  # how often a replica reports its figures and reads the drain fl
 
 
 class _Registry:
-    """A named Ray actor: every replica's latest /stats (by replica id) and the drain flag."""
+    """A named Ray actor: every replica's latest /stats and /metrics text (by replica id) and the drain flag."""
 
     def __init__(self):
         self.replicas: dict[str, tuple[float, dict]] = {}
+        self.metrics: dict[str, str] = {}
         self.drain: float | None = None
 
-    def report(self, replica: str, stats: dict):
+    def report(self, replica: str, stats: dict, metrics: str = ""):
         self.replicas[replica] = (time.time(), stats)
+        self.metrics[replica] = metrics
         return self.drain
 
     def forget(self, replica: str):
         self.replicas.pop(replica, None)
+        self.metrics.pop(replica, None)
+
+    def _live(self, max_age: float) -> list[str]:
+        now = time.time()
+        return [r for r, (t, _) in sorted(self.replicas.items()) if now - t < max_age]
 
     def all(self, max_age: float = 5 * REPORT_S) -> dict:
-        now = time.time()
-        return {r: st for r, (t, st) in sorted(self.replicas.items()) if now - t < max_age}
+        return {r: self.replicas[r][1] for r in self._live(max_age)}
+
+    def all_metrics(self, max_age: float = 5 * REPORT_S) -> dict:
+        return {r: self.metrics[r] for r in self._live(max_age)}
 
     def set_drain(self, timeout: float):
         self.drain = timeout
@@ -83,7 +93,8 @@ class EngineReplica:
 
         while not self._stopped.wait(REPORT_S):
             try:
-                drain = ray.get(self.registry.report.remote(self.replica, self.server.stats()), timeout=5)
+                drain = ray.get(self.registry.report.remote(self.replica, self.server.stats(),
+                                                            self.server.metrics.text().decode()), timeout=5)
             except Exception:  # the registry is gone (Serve shutting down): keep serving what is open
                 continue
             if drain is not None and not self.server.draining:
@@ -93,6 +104,7 @@ class EngineReplica:
         import ray
 
         from .app import build_app
+        from .metrics import merge_replicas
 
         def replicas() -> dict:
             try:
@@ -100,7 +112,16 @@ class EngineReplica:
             except Exception as e:  # noqa: BLE001 (stats must never fail the request)
                 return {"replicas": {"error": f"{type(e).__name__}: {e}"}}
 
-        return build_app(self.server, extra_stats=replicas, headers={"X-Epikv-Replica": self.replica})
+        def metrics() -> bytes:
+            own = self.server.metrics.text().decode()
+            try:
+                texts = ray.get(self.registry.all_metrics.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 (the registry is gone: this replica's series alone)
+                texts = {}
+            return merge_replicas({**texts, self.replica: own})  # its own series as of now
+
+        return build_app(self.server, extra_stats=replicas, headers={"X-Epikv-Replica": self.replica},
+                         metrics_text=metrics)
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped is replaced."""
