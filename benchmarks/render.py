@@ -562,6 +562,52 @@ def retention_vs_random() -> str:
             "schedule.\n\n" + source_line(files, "bash benchmarks/results/retention-full/run.sh A; ... C; ... D"))
 
 
+# Issue 47's policies on the shared traces cut to 1,024 reasoning + 64 answer tokens, tau 16, and the reference rows
+# of the same cut (benchmarks/results/retention: random, h2o, tova, snapkv, streaming).
+ATTNFREE_RETENTION = ["retention-attnfree/traces-1-16/results.jsonl", "retention-attnfree/traces-17-28/results.jsonl",
+                      "retention-learned/results.jsonl", "retention-learned/traces-15-28/results.jsonl"]
+CUT_REFERENCES = ["retention/results.jsonl", "retention/traces-17-28/results.jsonl",
+                  "retention/rerun-1-16/results.jsonl", "retention/rerun-17-28/results.jsonl"]
+ATTNFREE_POLICIES = ["epikv-learned", "epikv-learned-mean", "triattention", "expected-attention", "random-head"]
+ATTNFREE_REFS = ["tova", "snapkv", "h2o", "streaming"]
+
+
+def retention_attnfree() -> str:
+    """The attention-free policies of issue 47 against random and per-head h2o: paired differences of the answer-NLL
+    increase over the traces both have, with epikv's own bootstrap intervals (retention.bootstrap.paired)."""
+    from epikv.retention.bootstrap import paired
+
+    files = ATTNFREE_RETENTION + CUT_REFERENCES
+    recs, seen = [], set()
+    for f in files:
+        for r in load_jsonl(f):
+            key = (r.get("trace_id"), r.get("policy"), r.get("budget"))
+            if r.get("kind") != "retention" or r.get("settings") or r.get("tau") != 16 or key in seen:
+                continue
+            seen.add(key)  # a trace rerun in a second folder counts once
+            recs.append(r)
+    budgets = [512, 1024]
+    vs = {ref: {(row["policy"], row["budget"]): row for row in paired(recs, ref)} for ref in ("random", "h2o")}
+
+    def cell(ref, p, k):
+        row = vs[ref].get((p, k))
+        if row is None:
+            return "-"
+        m, lo, hi = row["diff"]
+        return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}] {row['better']}/{row['n']}"
+
+    rows = [[f"`{p}`"] + [cell(ref, p, k) for ref in ("random", "h2o") for k in budgets]
+            for p in ATTNFREE_POLICIES + ATTNFREE_REFS]
+    head = ["answer-NLL increase, paired difference (95 % CI) and traces better"] + [
+        f"vs {ref}, K = {k}" for ref in ("random", "h2o") for k in budgets]
+    return (table(head, rows) + "\n\nNegative: the policy lost less answer likelihood than the reference on the same "
+            "traces (1,024 reasoning and 64 answer tokens of each, SmolLM2, tau 16, CPU). The first five are "
+            "attention-free at decode or per-head nulls; the last four read attention weights. `random` is the "
+            "shared draw for all heads, `random-head` one per KV head.\n\n"
+            + source_line(files, "epikv retention --model smollm2 --tau 16 --budgets 512,1024 --max-reasoning-tokens "
+                                 "1024 --max-answer-tokens 64 ... (each folder's README has its exact commands)"))
+
+
 # llama.cpp's retention runs and the torch rows they repeat: (llama.cpp store, torch store, tau, policies)
 LLAMACPP_RETENTION = [("llamacpp/retention", "retention-full/tau16", 16, ["random", "streaming"]),
                       ("llamacpp/retention-seg", "retention-full/tau128", 128, ["epikv-seg-q", "epikv-seg", "epikv"])]
@@ -857,6 +903,7 @@ def _env() -> dict:
 RENDERERS = {
     "headline": headline,
     "retention-vs-random": retention_vs_random,
+    "retention-attnfree": retention_attnfree,
     "llamacpp-step": llamacpp_step,
     "llamacpp-capture": llamacpp_capture,
     "llamacpp-long": llamacpp_long,

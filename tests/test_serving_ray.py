@@ -191,6 +191,84 @@ def test_sigterm_drains_every_replica(ray_served):
     assert rc == 0 and "epikv serve: stopped" in err, err[-2000:]
 
 
+def test_joins_an_existing_cluster_and_autoscales_under_load():
+    """--ray-address joins a Ray cluster started apart (`ray start --head --block`, as on a real cluster's head), and
+    --min-replicas 1 --max-replicas 2 starts one replica, then adds the second while more requests are in flight
+    than a replica's target (Serve's autoscaling_config); the answers keep coming meanwhile; SIGTERM exits 0 and
+    leaves the cluster up (it is not ours to stop)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_serving_http import _env
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    started = threading.Event()
+    head_out: list[str] = []
+
+    def read():
+        for line in head.stdout:
+            head_out.append(line)
+            if "Ray runtime started" in line:
+                started.set()
+        started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    s = None
+    try:
+        assert started.wait(180) and head.poll() is None, "".join(head_out)[-3000:]
+        addr = f"127.0.0.1:{port}"
+        s = Served(["--ray", "--ray-address", addr, "--min-replicas", "1", "--max-replicas", "2", *SERVE])
+        assert f"Ray Serve on {addr}, 1..2 replica(s)" in "".join(s.err)
+        assert len(_replicas(s, 1)) == 1
+        stop = threading.Event()
+        answered = []
+
+        def load():  # long streams, more in flight than the target of 4 a replica
+            while not stop.is_set():
+                stream = s.client.completions.create(model=MODEL, prompt="Keep going", max_tokens=4000, stream=True,
+                                                     extra_body={"ignore_eos": True})
+                for n, part in enumerate(stream):
+                    answered.append(part.id)
+                    if stop.is_set() or n > 400:
+                        stream.close()
+                        break
+
+        workers = [threading.Thread(target=load, daemon=True) for _ in range(12)]
+        for w in workers:
+            w.start()
+        end = time.monotonic() + 180
+        reps = {}
+        while time.monotonic() < end:
+            reps = s.get("/stats")["replicas"]
+            if len(reps) == 2:
+                break
+            time.sleep(1)
+        stop.set()
+        for w in workers:
+            w.join(60)
+        assert len(reps) == 2, f"no second replica within 180 s: {list(reps)}"
+        assert len({_replica(i) for i in answered}) >= 1 and len(answered) > 100
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(120) == 0, "".join(s.err)[-2000:]
+        assert head.poll() is None, "stopping the server stopped the cluster it joined"
+    finally:
+        if s is not None and s.proc.poll() is None:
+            s.proc.kill()
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes as it exits
+        try:
+            head.wait(60)
+        except Exception:  # noqa: BLE001
+            head.kill()
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--replicas", "2"], "--replicas is an option of --ray"),
     (["--ray", "--replicas", "2", "--max-replicas", "3"], "a fixed count or the autoscaling's bounds"),
