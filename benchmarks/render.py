@@ -565,11 +565,12 @@ def retention_vs_random() -> str:
 # Issue 47's policies on the shared traces cut to 1,024 reasoning + 64 answer tokens, tau 16, and the reference rows
 # of the same cut (benchmarks/results/retention: random, h2o, tova, snapkv, streaming).
 ATTNFREE_RETENTION = ["retention-attnfree/traces-1-16/results.jsonl", "retention-attnfree/traces-17-28/results.jsonl",
-                      "retention-learned/results.jsonl", "retention-learned/traces-15-28/results.jsonl"]
+                      "retention-learned/results.jsonl", "retention-learned/traces-15-28/results.jsonl",
+                      "retention-learned/seg-q-1-14/results.jsonl", "retention-learned/seg-q-15-28/results.jsonl"]
 CUT_REFERENCES = ["retention/results.jsonl", "retention/traces-17-28/results.jsonl",
                   "retention/rerun-1-16/results.jsonl", "retention/rerun-17-28/results.jsonl"]
 ATTNFREE_POLICIES = ["epikv-learned", "epikv-learned-mean", "triattention", "expected-attention", "random-head"]
-ATTNFREE_REFS = ["tova", "snapkv", "h2o", "streaming"]
+ATTNFREE_REFS = ["tova", "snapkv", "h2o", "streaming", "epikv-seg-q"]
 
 
 def retention_attnfree() -> str:
@@ -582,12 +583,14 @@ def retention_attnfree() -> str:
     for f in files:
         for r in load_jsonl(f):
             key = (r.get("trace_id"), r.get("policy"), r.get("budget"))
-            if r.get("kind") != "retention" or r.get("settings") or r.get("tau") != 16 or key in seen:
+            own_tau = 128 if r.get("policy") == "epikv-seg-q" else 16  # Seg-Q on its shipped schedule
+            if r.get("kind") != "retention" or r.get("settings") or r.get("tau") != own_tau or key in seen:
                 continue
             seen.add(key)  # a trace rerun in a second folder counts once
             recs.append(r)
     budgets = [512, 1024]
-    vs = {ref: {(row["policy"], row["budget"]): row for row in paired(recs, ref)} for ref in ("random", "h2o")}
+    refs = ("random", "h2o", "epikv-seg-q")
+    vs = {ref: {(row["policy"], row["budget"]): row for row in paired(recs, ref)} for ref in refs}
 
     def cell(ref, p, k):
         row = vs[ref].get((p, k))
@@ -596,14 +599,16 @@ def retention_attnfree() -> str:
         m, lo, hi = row["diff"]
         return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}] {row['better']}/{row['n']}"
 
-    rows = [[f"`{p}`"] + [cell(ref, p, k) for ref in ("random", "h2o") for k in budgets]
+    rows = [[f"`{p}`"] + [cell(ref, p, k) for ref in refs for k in budgets]
             for p in ATTNFREE_POLICIES + ATTNFREE_REFS]
     head = ["answer-NLL increase, paired difference (95 % CI) and traces better"] + [
-        f"vs {ref}, K = {k}" for ref in ("random", "h2o") for k in budgets]
+        f"vs {ref}, K = {k}" for ref in refs for k in budgets]
     return (table(head, rows) + "\n\nNegative: the policy lost less answer likelihood than the reference on the same "
-            "traces (1,024 reasoning and 64 answer tokens of each, SmolLM2, tau 16, CPU). The first five are "
-            "attention-free at decode or per-head nulls; the last four read attention weights. `random` is the "
-            "shared draw for all heads, `random-head` one per KV head.\n\n"
+            "traces (1,024 reasoning and 64 answer tokens of each, SmolLM2, tau 16 except `epikv-seg-q` at its own 128, "
+            "CPU). The first five read no attention weights (`random-head` is random eviction drawn per KV head; "
+            "`random` one draw for all heads); `tova`, `snapkv` and `h2o` read them; `streaming` keeps the newest; "
+            "`epikv-seg-q`, the default, recomputes q.K at one block. Of the new ones only `epikv-learned-mean` keeps "
+            "one set per token, as llama.cpp and the servers need.\n\n"
             + source_line(files, "epikv retention --model smollm2 --tau 16 --budgets 512,1024 --max-reasoning-tokens "
                                  "1024 --max-answer-tokens 64 ... (each folder's README has its exact commands)"))
 

@@ -191,7 +191,7 @@ def test_sigterm_drains_every_replica(ray_served):
     assert rc == 0 and "epikv serve: stopped" in err, err[-2000:]
 
 
-def test_joins_an_existing_cluster_and_autoscales_under_load():
+def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
     """--ray-address joins a Ray cluster started apart (`ray start --head --block`, as on a real cluster's head), and
     --min-replicas 1 --max-replicas 2 starts one replica, then adds the second while more requests are in flight
     than a replica's target (Serve's autoscaling_config); the answers keep coming meanwhile; SIGTERM exits 0 and
@@ -207,6 +207,12 @@ def test_joins_an_existing_cluster_and_autoscales_under_load():
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     ray_cli = str(Path(sys.executable).with_name("ray"))
+    # a token of the test's own for the cluster and the server (Ray >= 2.52 authenticates when a token exists: one
+    # left in ~/.ray by an earlier local instance would otherwise be half-used); older Rays ignore both variables
+    import secrets
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the head and Served() both start with this environment
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
                              "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
@@ -256,6 +262,13 @@ def test_joins_an_existing_cluster_and_autoscales_under_load():
             w.join(60)
         assert len(reps) == 2, f"no second replica within 180 s: {list(reps)}"
         assert len({_replica(i) for i in answered}) >= 1 and len(answered) > 100
+        # the replicas run on the cluster we started (not on a local instance of the server's own)
+        probe = ("import ray; from ray import serve; ray.init(address=%r, namespace='epikv-serve', "
+                 "configure_logging=False, log_to_driver=False); a = serve.status().applications['epikv']; "
+                 "print('REPLICAS', sum(len(d.replica_states) and sum(d.replica_states.values()) or 0 "
+                 "for d in a.deployments.values()))" % addr)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=_env())
+        assert "REPLICAS 2" in out.stdout, out.stdout + out.stderr[-2000:]
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(120) == 0, "".join(s.err)[-2000:]
         assert head.poll() is None, "stopping the server stopped the cluster it joined"
