@@ -8,8 +8,8 @@ from .._lazy import torch
 
 from ..calibration.query_stats import window_moments
 from ..errors import EpiKVError
-from .base import Observes, Policy
-from .rope import group_heads, mean_phase, next_position, rotate, rotation_matrix
+from .base import Policy
+from .rope import FutureQueries, group_heads, mean_phase, rotate, rotation_matrix
 
 
 def expected_attention_scores(q: torch.Tensor, q_valid: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -39,7 +39,7 @@ def expected_attention_scores(q: torch.Tensor, q_valid: torch.Tensor, k: torch.T
 
 
 @dataclass
-class ExpectedAttention(Policy):
+class ExpectedAttention(FutureQueries, Policy):
     """Expected Attention (Devoto et al., arXiv:2510.00636): expected future attention x value norm, per KV head.
 
     Per layer and KV head, the attention future queries are expected to pay a key, times the norm of its value.
@@ -68,16 +68,6 @@ class ExpectedAttention(Policy):
         super().__post_init__()
         if self.window < 2 or self.n_future < 1:
             raise EpiKVError(f"{self.name}: window must be at least 2 and n_future at least 1")
-
-    def observes(self, n_layers):
-        return Observes(keys_values=True, queries=self.window, pre_rope=True)
-
-    def init_state(self, batch, n_layers, device):
-        return {"next": torch.zeros(batch, dtype=torch.long, device=device)}
-
-    def on_tokens(self, state, obs):
-        next_position(state, obs)
-        return {}
 
     def scores(self, state, view):
         dev = view.device

@@ -36,6 +36,24 @@ def next_position(state: dict, obs) -> None:
     state["next"] = torch.maximum(state["next"], newest)
 
 
+class FutureQueries:
+    """What a policy that models future queries observes and tracks (TriAttention, Expected Attention): the last
+    `window` pre-RoPE queries with the cached keys and values, and each row's next absolute position. A mixin for a
+    Policy dataclass with a `window` field."""
+
+    def observes(self, n_layers):
+        from .base import Observes
+
+        return Observes(keys_values=True, queries=self.window, pre_rope=True)
+
+    def init_state(self, batch, n_layers, device):
+        return {"next": torch.zeros(batch, dtype=torch.long, device=device)}
+
+    def on_tokens(self, state, obs):
+        next_position(state, obs)
+        return {}
+
+
 def group_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
     """[batch, kv_heads, n, dim] -> [batch, heads, n, dim]: each query head's KV head (GQA)."""
     return k.repeat_interleave(heads // k.shape[1], dim=1)

@@ -8,8 +8,8 @@ from .._lazy import torch
 
 from ..calibration.query_stats import pair_magnitude, window_moments
 from ..errors import EpiKVError
-from .base import Observes, Policy
-from .rope import group_heads, mean_phase, next_position, rotate
+from .base import Policy
+from .rope import FutureQueries, group_heads, mean_phase, rotate
 
 
 def triattention_scores(q: torch.Tensor, q_valid: torch.Tensor, k: torch.Tensor, next_pos: torch.Tensor,
@@ -37,7 +37,7 @@ def triattention_scores(q: torch.Tensor, q_valid: torch.Tensor, k: torch.Tensor,
 
 
 @dataclass
-class TriAttention(Policy):
+class TriAttention(FutureQueries, Policy):
     """TriAttention (Mao et al., arXiv:2604.04921): the query centre's expected logit plus a norm term, per KV head.
 
     Per layer and KV head, a key's expected pre-softmax logit under the query centre at geometric future distances,
@@ -67,16 +67,6 @@ class TriAttention(Policy):
 
     def offsets(self) -> torch.Tensor:
         return 2.0 ** torch.arange(int(math.log2(self.max_offset)) + 1)  # [m]: 1, 2, 4, ...
-
-    def observes(self, n_layers):
-        return Observes(keys_values=True, queries=self.window, pre_rope=True)
-
-    def init_state(self, batch, n_layers, device):
-        return {"next": torch.zeros(batch, dtype=torch.long, device=device)}
-
-    def on_tokens(self, state, obs):
-        next_position(state, obs)
-        return {}
 
     def scores(self, state, view):
         dev = view.device
