@@ -213,8 +213,15 @@ def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the head and Served() both start with this environment
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    # a temp dir of its own: the head writes its address there, not to /tmp/ray/ray_current_cluster, where every
+    # later ray.init() of the session would find it and try to join this cluster once it is gone (short: Ray's socket
+    # paths must fit 107 characters)
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="epr", dir="/tmp")
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
-                             "--include-dashboard=false", "--disable-usage-stats"],
+                             f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     started = threading.Event()
     head_out: list[str] = []
@@ -280,6 +287,7 @@ def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
             head.wait(60)
         except Exception:  # noqa: BLE001
             head.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("argv, needle", [
