@@ -1,11 +1,17 @@
 """`epikv serve --ray`: the same OpenAI routes served by Ray Serve, N replicas of either engine.
 
-Ray Serve's own pieces do the serving: one deployment (`EngineReplica`, an ingress deployment whose ASGI app is
-`app.build_app` over the replica's own engine and cache, built in the replica), its HTTP proxy (which routes each
-request to the replica with fewer ongoing requests of two it samples), `num_replicas` or an `autoscaling_config`
-(between --min-replicas and --max-replicas by ongoing requests), and its replica health checks (`check_health`:
-a replica whose engine stopped is replaced; a replica whose process dies is restarted by the controller; requests in
-flight on it end with an error at the client, the others are unaffected).
+Ray Serve's own pieces do the serving: two deployments, the HTTP proxy, a deployment handle, `num_replicas` or an
+`autoscaling_config` (between --min-replicas and --max-replicas by ongoing requests) and the replica health checks.
+- `EngineReplica` (N replicas): one engine with its own cache behind `app.build_app`, built in the replica. It does
+  not face HTTP itself: `forward` runs one HTTP request through that app in-process and streams back the response
+  (status and headers with the first body bytes, then each further body chunk: one SSE event per chunk).
+- `Router` (the ingress, one replica, no CPU of its own): Serve's proxy hands it each request; it streams it to an
+  engine replica through a `DeploymentHandle` (Serve's router picks the replica with fewer ongoing requests of two it
+  samples) and relays the answer. Because it outlives the engine replica it streams from, a replica whose process
+  dies mid-answer still gives its client a clean end: an SSE `error` event and `data: [DONE]` on a stream, a 503 with
+  Retry-After when nothing was sent yet. The controller restarts the replica (`check_health` also replaces one whose
+  engine stopped); the other replicas' requests are unaffected. A client that leaves mid-stream cancels the handle's
+  call, which cancels the request inside the replica (its cells are released).
 
 What the single server does, each replica does for its own requests: 429 with Retry-After past --max-waiting (the
 proxy picks the less loaded replica, so a 429 comes when the replicas sampled are full), --request-timeout, and the
@@ -19,6 +25,7 @@ answering replica's id is in the X-Epikv-Replica header); answer ids carry the r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -29,6 +36,7 @@ import time
 from ..errors import EpiKVError
 
 APP = "epikv"
+ENGINE = "EngineReplica"  # the engine replicas' deployment (the Router is the app's ingress)
 REGISTRY = "epikv-serve-registry"
 NAMESPACE = "epikv-serve"
 REPORT_S = 0.5  # how often a replica reports its figures and reads the drain flag
@@ -67,7 +75,7 @@ class _Registry:
 
 class EngineReplica:
     """One engine (either kind, as `epikv serve` builds it from the same options) with its own cache, behind the
-    app of serving/app.py; Ray Serve wraps it as an ingress deployment."""
+    app of serving/app.py, which the Router's handle reaches through `forward`."""
 
     def __init__(self, options: dict):
         import argparse
@@ -85,6 +93,7 @@ class EngineReplica:
         self.server.info.update(replica=self.replica, pid=os.getpid())
         self.server.id_prefix = f"http-{self.replica}"
         self.registry = ray.get_actor(REGISTRY, namespace=NAMESPACE)
+        self.app = self._build_app()
         self._stopped = threading.Event()
         threading.Thread(target=self._report, name="epikv-replica-report", daemon=True).start()
 
@@ -100,7 +109,7 @@ class EngineReplica:
             if drain is not None and not self.server.draining:
                 self.server.start_drain(drain)
 
-    def __serve_build_asgi_app__(self):
+    def _build_app(self):
         import ray
 
         from .app import build_app
@@ -123,6 +132,12 @@ class EngineReplica:
         return build_app(self.server, extra_stats=replicas, headers={"X-Epikv-Replica": self.replica},
                          metrics_text=metrics)
 
+    async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes):
+        """One HTTP request through this replica's app (a streaming call of the Router's handle): yields the
+        response's head with its first body bytes, then each further body chunk."""
+        async for part in asgi_forward(self.app, method, path, query, headers, body):
+            yield part
+
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped is replaced."""
         if not self.server.healthy():
@@ -139,6 +154,119 @@ class EngineReplica:
             pass
         self.server.close()
         self._stop_engine()
+
+
+async def asgi_forward(app, method: str, path: str, query: bytes, headers: list, body: bytes):
+    """Run one HTTP request through the ASGI `app` in this process and yield its response: first
+    {"status", "headers", "body", "more"} (the head with the first body bytes, so that a non-streaming answer is one
+    item), then the bytes of each further body message. Closing the generator early (the caller left) tells the app
+    the client disconnected and cancels it, as a server would."""
+    import asyncio
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": query, "headers": [(bytes(k), bytes(v)) for k, v in headers],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    sent: asyncio.Queue = asyncio.Queue()
+    left = asyncio.Event()
+    request = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if request:
+            return request.pop()
+        await left.wait()  # the app listens for the client leaving while it streams
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await sent.put(message)
+
+    async def run():
+        try:
+            await app(scope, receive, send)
+        finally:
+            await sent.put(None)  # the app returned (or failed): no more messages
+
+    task = asyncio.ensure_future(run())
+    head = None
+    try:
+        while True:
+            m = await sent.get()
+            if m is None:
+                if head is None:  # the app ended without a response: let its error surface
+                    await task
+                    raise RuntimeError("the app sent no response")
+                return
+            if m["type"] == "http.response.start":
+                head = {"status": m["status"], "headers": [(bytes(k), bytes(v)) for k, v in m.get("headers", [])]}
+            elif m["type"] == "http.response.body":
+                more = m.get("more_body", False)
+                if "body" not in head:  # the first body message travels with the head
+                    head.update(body=m.get("body", b""), more=more)
+                    yield head
+                elif m.get("body"):
+                    yield m["body"]
+                if not more:
+                    return
+    finally:
+        left.set()
+        if not task.done():
+            task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 (cancelled, or failed after its answer was sent)
+            pass
+
+
+def _error(status: int, message: str, retry_after: int | None = None):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": None}},
+                        status_code=status, headers={"Retry-After": str(retry_after)} if retry_after else None)
+
+
+class Router:
+    """The ingress: streams each request to an engine replica through a deployment handle and relays the answer; a
+    replica that dies mid-answer ends it cleanly (an SSE error event, or a 503 when nothing was sent)."""
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    async def __call__(self, request):
+        from starlette.responses import Response, StreamingResponse
+
+        body = await request.body()
+        call = self.engines.options(stream=True).forward.remote(
+            request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+        try:
+            head = await call.__anext__()
+        except Exception as e:  # noqa: BLE001 (the replica died or Ray lost it before answering)
+            return _error(503, f"the engine replica serving this request stopped before answering "
+                               f"({type(e).__name__}); send it again", retry_after=1)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head["headers"]
+                   if k.lower() != b"content-length"}
+        if not head["more"]:
+            return Response(head["body"], status_code=head["status"], headers=headers)
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+
+        async def relay():
+            ended = False
+            try:
+                yield head["body"]
+                async for chunk in call:
+                    yield chunk
+                ended = True
+            except Exception as e:  # noqa: BLE001 (the replica died mid-answer: end the stream, do not hang it)
+                ended = True
+                if sse:
+                    err = {"message": f"the engine replica serving this request stopped mid-answer "
+                                      f"({type(e).__name__}); send it again", "type": "server_error",
+                           "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                if not ended:  # the client left: cancel the request inside the replica (its cells are freed)
+                    call.cancel()
+
+        return StreamingResponse(relay(), status_code=head["status"], headers=headers)
 
 
 def _free_port(host: str) -> int:
@@ -201,9 +329,11 @@ def run_ray(args) -> int:
         registry = ray.remote(_Registry).options(name=REGISTRY, namespace=NAMESPACE, num_cpus=0,
                                                  get_if_exists=True).remote()
         serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"})
-        dep = serve.deployment(serve.ingress()(EngineReplica), name="EngineReplica", **opts)
+        engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(options)
+        router = serve.deployment(Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
+                                  ray_actor_options={"num_cpus": 0}).bind(engines)
         try:
-            serve.run(dep.bind(options), name=APP, route_prefix="/", blocking=False)
+            serve.run(router, name=APP, route_prefix="/", blocking=False)
         except Exception as e:  # a replica's constructor refused (a bad option, a missing model): one line
             lines = [x for x in str(e).strip().splitlines() if x.strip()]
             raise EpiKVError(f"Ray Serve could not start the replicas: {lines[-1] if lines else type(e).__name__}") \
