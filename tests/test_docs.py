@@ -188,10 +188,39 @@ def test_a_missing_raw_file_is_one_line_and_exit_2(monkeypatch):
         render.render_block("llamacpp-step")
 
 
+REPO_URL = "https://example.org/owner/epikv"
+
+
+def _links_module():
+    spec = importlib.util.spec_from_file_location("epikv_repo_links", ROOT / "scripts" / "mkdocs_repo_links.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_repository_paths_become_links_only_when_a_repository_url_is_set():
+    """A quoted path that exists becomes a link to its file (blob) or folder (tree); fenced code, a span already
+    inside a link, a path that does not exist and prose in code are left alone; no URL, no change."""
+    links = _links_module().link_paths
+    page = "\n".join(["See `src/epikv/cache.py` and `benchmarks/results/`, and `README.md`.",
+                      "```bash", "cat `src/epikv/cache.py`", "```",
+                      "Already [`src/epikv/cli.py`](cli.md); gone: `src/epikv/nope.py`; code: `--budget 96`."])
+    assert links(page, None) == page and links(page, "") == page
+    out = links(page, REPO_URL + "/").split("\n")
+    assert out[0] == (f"See [`src/epikv/cache.py`]({REPO_URL}/blob/main/src/epikv/cache.py) and "
+                      f"[`benchmarks/results/`]({REPO_URL}/tree/main/benchmarks/results), and "
+                      f"[`README.md`]({REPO_URL}/blob/main/README.md).")
+    assert out[1:4] == ["```bash", "cat `src/epikv/cache.py`", "```"]
+    assert out[4] == "Already [`src/epikv/cli.py`](cli.md); gone: `src/epikv/nope.py`; code: `--budget 96`."
+    assert links(page, REPO_URL, branch="dev").count("/blob/dev/") == 2
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
+    # built as a publisher would, with the repository's URL (mkdocs.yml reads it from EPIKV_REPO_URL)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1", "EPIKV_REPO_URL": REPO_URL}
+    env.pop("EPIKV_REPO_BRANCH", None)
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out / "site")],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     return r, out / "site"
@@ -204,6 +233,11 @@ def test_mkdocs_build_strict(site):
     assert r.returncode == 0, r.stderr[-4000:]
     api = (out / "python-api" / "index.html").read_text(encoding="utf-8")
     assert "EpiKVCache" in api and "doc-object" in api  # mkdocstrings ran
+    # the header links to the repository and the quoted paths to their files
+    home = (out / "index.html").read_text(encoding="utf-8")
+    assert f'href="{REPO_URL}"' in home
+    serve = (out / "serve" / "index.html").read_text(encoding="utf-8")
+    assert f'href="{REPO_URL}/blob/main/src/epikv/serving/schema.py"' in serve, "no path link on serve.md"
 
 
 # the serving names a user needs (epikv.serving.__all__ also lists the scheduler's class, plumbing)
