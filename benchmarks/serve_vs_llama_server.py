@@ -1,0 +1,374 @@
+"""`epikv serve --engine llama.cpp` against llama.cpp's own `llama-server`, fair by construction (issue 50).
+
+Both servers are started by this script the same way and loaded by the same client (`epikv bench serve --url`: 8
+MATH-500 chat requests at once, templated prompt <= 160 tokens, greedy, forced length). Same GGUF (the embedded
+SmolLM2 Q4_1), same llama.cpp (the source llama-cpp-python vendors, built by benchmarks/build_llama_server.sh),
+2 threads, 256-token batches, F16 K and V and flash attention given explicitly to both (`-fa`, `-ctk/-ctv`; epikv
+`--flash-attn`, F16 its only KV type). Each repeat runs every row once, llama-server and epikv rows alternating, in
+reverse order on odd repeats; each row records the machine's load before it, the CPU model and flags,
+`llama-server --version`, epikv's commit, the server's peak RSS (VmHWM), its KV cells and bytes, tokens/s over the
+run and per quarter of its tokens, and time to first token. Resumable: a (length, row, repeat) already in
+results.jsonl is skipped.
+
+Rows (--rows, comma-separated):
+  llama-server      llama-server given every cell its requests need (--parallel 8, 8 slots of prompt + tokens)
+  llama-server-shift llama-server with --context-shift on the cells an epikv stream holds (--shift-cells)
+  full              epikv `full` on 8 streams of every cell its requests need
+  POLICY:K          epikv POLICY at budget K on 8 streams (cells derived by epikv serve)
+
+  PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --tokens 1024 --repeats 3 \
+      --rows llama-server,full,epikv-seg-q:256 --out benchmarks/results/serve/llama-server/fair
+  PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py summary --out DIR   # writes DIR/summary.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SEQUENCES = 8
+PROMPT_TOKENS = 160  # --max-prompt-tokens: the longest templated prompt of the 8 requests
+BATCH = 256
+THREADS = 2
+
+
+def fail(msg: str) -> None:
+    print(f"serve_vs_llama_server: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def round_up(n: int, k: int = 256) -> int:
+    return -(-n // k) * k
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu() -> dict:
+    info = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    simd = sorted(f for f in (flags.group(1).split() if flags else []) if re.match(r"(avx|fma|f16c|sse4|amx)", f))
+    return {"model": model.group(1).strip() if model else "?", "cores": os.cpu_count(), "simd": simd}
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def gguf() -> str:
+    from epikv.models import _GGUF_NAME, _gguf_folder
+
+    return str(_gguf_folder() / _GGUF_NAME)
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    try:
+        m = re.search(r"^VmHWM:\s*(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+        return int(m.group(1)) / 1024 if m else None
+    except OSError:
+        return None
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server was not healthy in time")
+
+
+def row_spec(name: str, tokens: int, shift_cells: int, flash: str, llama_server: str) -> dict:
+    """How to start the server of one row: argv, label, and what is fixed about its cells."""
+    every = round_up(PROMPT_TOKENS + tokens)  # a slot / stream that holds its request whole
+    fa = ["-fa", flash, "-ctk", "f16", "-ctv", "f16"]
+    common_ls = [llama_server, "-m", gguf(), "--parallel", str(SEQUENCES), "-t", str(THREADS), "-tb", str(THREADS),
+                 "-b", str(BATCH), "-ub", str(BATCH), "--host", "127.0.0.1", "--no-webui", *fa]
+    epikv = [PY, "-m", "epikv.cli", "serve", "--engine", "llama.cpp", "--model", "smollm2", "--host", "127.0.0.1",
+             "--sequences", str(SEQUENCES), "--kv", "streams", "--threads", str(THREADS), "--max-batch-tokens",
+             str(BATCH), "--flash-attn", flash, "--max-tokens", str(tokens)]
+    if name == "llama-server":
+        return {"label": name, "server": "llama-server", "argv": common_ls + ["-c", str(SEQUENCES * every)],
+                "cells_per_sequence": every}
+    if name == "llama-server-shift":
+        return {"label": f"llama-server --context-shift ({shift_cells} cells)", "server": "llama-server",
+                "argv": common_ls + ["-c", str(SEQUENCES * shift_cells), "--context-shift"],
+                "cells_per_sequence": shift_cells}
+    if name == "full":
+        return {"label": "epikv full", "server": "epikv", "argv": epikv + ["--policy", "full", "--ctx",
+                                                                            str(SEQUENCES * every)],
+                "cells_per_sequence": every}
+    policy, _, k = name.partition(":")
+    if not k.isdigit():
+        fail(f"row {name!r}: give llama-server, llama-server-shift, full or POLICY:K")
+    return {"label": f"epikv {policy} K={k}", "server": "epikv",
+            "argv": epikv + ["--policy", policy, "--budget", k], "cells_per_sequence": None}
+
+
+_PER_CELL: list[int] = []
+
+
+def kv_bytes_per_cell() -> int:
+    """F16 K and V bytes of one cell over every layer of the GGUF, as llama.cpp allocates them (the figure epikv's
+    /stats reports for its own cells); llama-server's log does not print its KV size at the default verbosity."""
+    if not _PER_CELL:
+        from epikv.llamacpp.model import load_gguf
+
+        _PER_CELL.append(load_gguf("smollm2").kv_bytes_per_cell("f16"))
+    return _PER_CELL[0]
+
+
+def kv_of_llama_server(log: str) -> dict:
+    """Cells and KV bytes from llama-server's log line `n_slots = 8, n_ctx_slot = N, kv_unified = ...`."""
+    m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'", log)
+    if not m:
+        return {"kv_mib": None, "cells": None, "kv_unified": None}
+    cells = int(m.group(1)) * int(m.group(2))
+    return {"kv_mib": round(cells * kv_bytes_per_cell() / 2**20, 1), "cells": cells,
+            "cells_per_sequence": int(m.group(2)), "kv_unified": m.group(3)}
+
+
+def run_row(spec: dict, tokens: int, logdir: Path, tag: str) -> dict:
+    port = free_port()
+    argv = spec["argv"] + ["--port", str(port)]
+    log = logdir / f"{tag}.log"
+    load = os.getloadavg()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    out = Path(tempfile.mkdtemp(prefix="epikv-fair-"))
+    try:
+        wait_health(url, proc)
+        client = [PY, "-m", "epikv.cli", "bench", "serve", "--model", "smollm2", "--max-batch-tokens", str(BATCH),
+                  "--requests", str(SEQUENCES), "--concurrency", str(SEQUENCES), "--max-prompt-tokens",
+                  str(PROMPT_TOKENS), "--threads", str(THREADS), "--timeout", "7200", "--max-tokens", str(tokens),
+                  "--policies", "full", "--url", url, "--label", spec["label"], "--out", str(out)]
+        peaks = {"kv_mirror_bytes": 0, "cells_in_use": 0}
+        stop = threading.Event()
+
+        def poll():  # epikv's mirror and cells in use are figures of the running sequences: their peaks
+            while spec["server"] == "epikv" and not stop.wait(1.0):
+                try:
+                    with urllib.request.urlopen(url + "/stats", timeout=5) as s:
+                        eng = json.loads(s.read()).get("engine") or {}
+                except (OSError, ValueError):
+                    continue
+                for k in peaks:
+                    peaks[k] = max(peaks[k], eng.get(k) or 0)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            r = subprocess.run(client, env=env, cwd=ROOT, capture_output=True, text=True)
+        finally:
+            stop.set()
+            poller.join()
+        if r.returncode != 0:
+            raise RuntimeError(f"the client failed: {r.stderr.strip().splitlines()[-1:]}")
+        res = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()][-1]
+        stats = None
+        if spec["server"] == "epikv":
+            with urllib.request.urlopen(url + "/stats", timeout=10) as s:
+                stats = json.loads(s.read())
+        rss = peak_rss_mib(proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(out, ignore_errors=True)
+    text = log.read_text(errors="replace")
+    row = {"label": spec["label"], "server": spec["server"], "argv": [a for a in argv if a != gguf()],
+           "load_before": [round(x, 2) for x in load], "peak_rss_mib": rss,
+           **{k: res.get(k) for k in ("tokens_per_s", "generated_tokens", "wall_s", "ttft_p50_s", "ttft_p95_s",
+                                      "completed", "failed", "errors", "tokens_by_second")}}
+    row["quarters"] = quarters(res.get("tokens_by_second") or [])
+    if spec["server"] == "llama-server":
+        row.update({"cells_per_sequence": spec["cells_per_sequence"], **kv_of_llama_server(text)})
+    else:
+        eng = (stats or {}).get("engine") or {}
+        kv, mirror = eng.get("kv_bytes") or 0, peaks["kv_mirror_bytes"]
+        row.update(kv_mib=round((kv + mirror) / 2**20, 1), kv_cells_mib=round(kv / 2**20, 1),
+                   kv_mirror_peak_mib=round(mirror / 2**20, 1), peak_cells_in_use=peaks["cells_in_use"],
+                   cells=eng.get("cells_allocated"),
+                   cells_per_sequence=eng.get("stream_cells"), evictions=eng.get("evictions"),
+                   llama_cpp=(stats or {}).get("server", {}).get("llama_cpp"))
+    return row
+
+
+def quarters(by_second: list[int]) -> list[float | None]:
+    """Tokens/s over each quarter of the row's tokens: the time the running count takes to pass each quarter
+    (whole-second resolution, as the client counts)."""
+    total = sum(by_second)
+    if total == 0:
+        return []
+    out, t_prev, acc, q = [], 0.0, 0, 1
+    for sec, n in enumerate(by_second):
+        while n and acc + n >= q * total / 4 and q <= 4:
+            t = sec + (q * total / 4 - acc) / n  # interpolated within the second
+            out.append(round((total / 4) / (t - t_prev), 2) if t > t_prev else None)
+            t_prev, q = t, q + 1
+        acc += n
+    return out
+
+
+def run(args) -> int:
+    ls = args.llama_server or str(Path(os.environ.get("EPIKV_CACHE_DIR", Path.home() / ".cache" / "epikv"))
+                                  / "llama-server" / "build" / "bin" / "llama-server")
+    if not os.access(ls, os.X_OK):
+        fail(f"no llama-server at {ls}: run benchmarks/build_llama_server.sh")
+    names = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if not names:
+        fail("--rows is empty")
+    ks = [int(n.partition(":")[2]) for n in names if n.partition(":")[2].isdigit()]
+    shift = args.shift_cells or round_up(min(ks, default=256) + args.tau - 1 + BATCH)
+    out = Path(args.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    done = set()
+    if results.exists():
+        for line in results.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done.add((r["tokens"], r["row"], r["repeat"]))
+    version = subprocess.run([ls, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
+    machine = {"cpu": cpu(), "llama_server_version": " / ".join(version), "epikv_commit": commit(),
+               "flash_attn": args.flash_attn, "kv_type": "f16", "threads": THREADS, "sequences": SEQUENCES,
+               "max_batch_tokens": BATCH, "max_prompt_tokens": PROMPT_TOKENS}
+    specs = {n: row_spec(n, args.tokens, shift, args.flash_attn, ls) for n in names}
+    # llama-server and epikv rows alternate; odd repeats run the order backwards
+    lsr = [n for n in names if specs[n]["server"] == "llama-server"]
+    epr = [n for n in names if specs[n]["server"] == "epikv"]
+    order = []
+    for i in range(max(len(lsr), len(epr))):
+        order += lsr[i:i + 1] + epr[i:i + 1]
+    for rep in range(args.repeats):
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            if (args.tokens, name, rep) in done:
+                print(f"{name} x {args.tokens}, repeat {rep}: done, skipped", file=sys.stderr)
+                continue
+            print(f"{name} x {args.tokens}, repeat {rep} (load {os.getloadavg()[0]:.2f})", file=sys.stderr,
+                  flush=True)
+            try:
+                row = run_row(specs[name], args.tokens, logs, f"{args.tokens}-{name.replace(':', '-')}-r{rep}")
+            except RuntimeError as e:
+                fail(f"{name} x {args.tokens}, repeat {rep}: {e}")
+            row.update(tokens=args.tokens, row=name, repeat=rep, time=time.strftime("%Y-%m-%d %H:%M:%S"), **machine)
+            with open(results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"  {row['tokens_per_s']} tok/s, quarters {row['quarters']}, TTFT p50 {row['ttft_p50_s']} s, "
+                  f"peak RSS {row['peak_rss_mib']:.0f} MiB, KV {row['kv_mib']} MiB", file=sys.stderr, flush=True)
+    return summary(args)
+
+
+def _fmt(vals: list[float], digits: int = 1) -> str:
+    if not vals:
+        return "-"
+    med = statistics.median(vals)
+    return f"{med:.{digits}f}" + (f" ({min(vals):.{digits}f}-{max(vals):.{digits}f})" if len(vals) > 1 else "")
+
+
+def summary(args) -> int:
+    out = Path(args.out)
+    path = out / "results.jsonl"
+    if not path.exists():
+        fail(f"no results at {path}")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = ["# epikv serve (llama.cpp) against llama-server: medians of interleaved repeats", ""]
+    cpus = sorted({r["cpu"]["model"] for r in rows})
+    lines.append(f"CPU: {', '.join(cpus)}; llama-server {rows[0]['llama_server_version']}; epikv "
+                 f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; flash attention "
+                 f"{rows[0]['flash_attn']}, KV {rows[0]['kv_type']}, {rows[0]['threads']} threads.")
+    lines.append("")
+    for tokens in sorted({r["tokens"] for r in rows}):
+        rs = [r for r in rows if r["tokens"] == tokens]
+        base = {r["repeat"]: r for r in rs if r["row"] == "llama-server"}
+        lines += [f"## {SEQUENCES} x {tokens:,} tokens", "",
+                  "| row | repeats | tok/s median (min-max) | x llama-server (paired) | per quarter (tok/s) | "
+                  "first quarter x | TTFT p50 s | peak RSS MiB | KV MiB (cells + mirror) | cells a sequence | "
+                  "load before |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name in dict.fromkeys(r["row"] for r in rs):
+            mine = [r for r in rs if r["row"] == name]
+            ratio = [r["tokens_per_s"] / base[r["repeat"]]["tokens_per_s"] for r in mine if r["repeat"] in base]
+            q1 = [r["quarters"][0] / base[r["repeat"]]["quarters"][0] for r in mine
+                  if r["repeat"] in base and r["quarters"] and base[r["repeat"]]["quarters"]]
+            qs = [statistics.median(q[i] for q in (r["quarters"] for r in mine) if len(q) > i and q[i])
+                  for i in range(4) if any(len(r["quarters"]) > i and r["quarters"][i] for r in mine)]
+            lines.append(
+                f"| {mine[0]['label']} | {len(mine)} | {_fmt([r['tokens_per_s'] for r in mine])} | "
+                f"{_fmt(ratio, 2) if name != 'llama-server' else '1'} | {', '.join(f'{q:.1f}' for q in qs)} | "
+                f"{_fmt(q1, 2) if name != 'llama-server' else '1'} | "
+                f"{_fmt([r['ttft_p50_s'] for r in mine if r['ttft_p50_s'] is not None], 2)} | "
+                f"{_fmt([r['peak_rss_mib'] for r in mine if r['peak_rss_mib']], 0)} | "
+                f"{mine[0]['kv_mib']} | {mine[0]['cells_per_sequence']} | "
+                f"{max(r['load_before'][0] for r in mine):.2f} max |")
+        lines.append("")
+    (out / "summary.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the rows (resumable), then write the summary")
+    r.add_argument("--tokens", type=int, required=True, help="tokens generated per request (forced)")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--rows", default="llama-server,llama-server-shift,full,epikv-seg-q:256,epikv-seg-q:512,"
+                                     "epikv-seg-q:1024,streaming:256")
+    r.add_argument("--shift-cells", type=int, default=None,
+                   help="cells a slot for llama-server-shift (default: an epikv stream's for the smallest K: "
+                        "K + tau - 1 + a 256-token chunk, rounded up to 256 as llama.cpp does)")
+    r.add_argument("--tau", type=int, default=128, help="the tau of the smallest-K row (for --shift-cells)")
+    r.add_argument("--flash-attn", choices=("on", "off", "auto"), default="off",
+                   help="both servers (default off: the setting under which a stream's answer is batch-invariant)")
+    r.add_argument("--llama-server", default=None, help="the binary (default: where build_llama_server.sh puts it)")
+    r.add_argument("--out", required=True)
+    s = sub.add_parser("summary", help="write DIR/summary.md from DIR/results.jsonl")
+    s.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "run" and (args.tokens < 1 or args.repeats < 1):
+        fail("--tokens and --repeats must be positive")
+    return run(args) if args.cmd == "run" else summary(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""benchmarks/serve_vs_llama_server.py's arithmetic and order (the servers themselves run only in the benchmark):
+per-quarter rates from the client's per-second counts, ratios paired by repeat against llama-server, rows alternating
+between the two servers with the order reversed on odd repeats, and its refusals in one line with exit 2."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "serve_vs_llama_server.py"
+
+
+@pytest.fixture(scope="module")
+def fair():
+    spec = importlib.util.spec_from_file_location("serve_vs_llama_server", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quarters_are_the_rate_over_each_quarter_of_the_tokens(fair):
+    assert fair.quarters([10] * 40) == [10.0] * 4
+    # 120 tokens: the first 30 take 3.5 s (two idle seconds, then 20/s), the next 30 take 1.5 s ...
+    assert fair.quarters([0, 0, 20, 20, 20, 20, 10, 10, 10, 10]) == [8.57, 20.0, 15.0, 10.0]
+    assert fair.quarters([]) == []
+
+
+def _row(name, rep, rate, q1, server="epikv"):
+    return {"tokens": 1024, "row": name, "repeat": rep, "label": name, "server": server, "tokens_per_s": rate,
+            "quarters": [q1, rate, rate, rate], "ttft_p50_s": 1.0, "peak_rss_mib": 500.0, "kv_mib": 10.0,
+            "cells_per_sequence": 512, "load_before": [0.5, 0.5, 0.5], "cpu": {"model": "CPU X"},
+            "llama_server_version": "v", "epikv_commit": "abc", "flash_attn": "off", "kv_type": "f16", "threads": 2}
+
+
+def test_the_summary_pairs_each_repeat_with_llama_servers_own(fair, tmp_path, capsys):
+    rows = [_row("llama-server", 0, 100.0, 50.0, "llama-server"), _row("llama-server", 1, 50.0, 25.0, "llama-server"),
+            _row("full", 0, 100.0, 50.0), _row("full", 1, 50.0, 25.0)]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    fair.summary(type("A", (), {"out": str(tmp_path)}))
+    table = (tmp_path / "summary.md").read_text()
+    full = next(line for line in table.splitlines() if line.startswith("| full "))
+    # paired by repeat: 1.00 both times (an unpaired ratio of medians, 75 / 75, would hide a swap of repeats)
+    assert "| 75.0 (50.0-100.0) | 1.00 (1.00-1.00) |" in full and "CPU X" in table
+
+
+def test_rows_alternate_servers_and_reverse_on_odd_repeats(fair, tmp_path, monkeypatch):
+    ran = []
+
+    def fake_run_row(spec, tokens, logdir, tag):
+        ran.append(tag)
+        return {**_row(spec["label"], 0, 10.0, 10.0, spec["server"]), "peak_rss_mib": 1.0}
+
+    ls = tmp_path / "llama-server"
+    ls.write_text("#!/bin/sh\necho version: 1 >&2\n")
+    ls.chmod(0o755)
+    monkeypatch.setattr(fair, "run_row", fake_run_row)
+    monkeypatch.setattr(fair, "gguf", lambda: "model.gguf")
+    args = type("A", (), dict(tokens=64, repeats=2, rows="llama-server,full,epikv-seg-q:256", shift_cells=None,
+                              tau=128, flash_attn="off", llama_server=str(ls), out=str(tmp_path / "out")))
+    fair.run(args)
+    assert ran == ["64-llama-server-r0", "64-full-r0", "64-epikv-seg-q-256-r0",
+                   "64-epikv-seg-q-256-r1", "64-full-r1", "64-llama-server-r1"]
+    ran.clear()
+    fair.run(args)  # resumable: everything done is skipped
+    assert ran == []
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--tokens", "0", "--out", "x"], "--tokens and --repeats must be positive"),
+    (["run", "--tokens", "8", "--rows", "seg-q", "--llama-server", "/bin/true", "--out", "OUT"], "give llama-server"),
+    (["run", "--tokens", "8", "--llama-server", "/no/such", "--out", "x"], "no llama-server at /no/such"),
+    (["summary", "--out", "/no/such"], "no results at"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, tmp_path):
+    argv = [str(tmp_path / "o") if a == "OUT" else a for a in argv]
+    r = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, cwd=tmp_path,
+                       env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_llama_servers_cells_and_kv_bytes_come_from_its_log(fair):
+    """The cells are the slots times n_ctx_slot of llama-server's log line; the bytes, the GGUF's F16 K and V per cell
+    (SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) x 2 bytes = 23,040)."""
+    line = "0.00.238 I srv    load_model: initializing, n_slots = 8, n_ctx_slot = 1280, kv_unified = 'false'\n"
+    kv = fair.kv_of_llama_server("version: x\n" + line)
+    assert kv == {"kv_mib": round(8 * 1280 * 23040 / 2**20, 1), "cells": 10240, "cells_per_sequence": 1280,
+                  "kv_unified": "false"}
+    assert fair.kv_of_llama_server("no such line")["cells"] is None
