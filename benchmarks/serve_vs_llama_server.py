@@ -305,44 +305,71 @@ def _fmt(vals: list[float], digits: int = 1) -> str:
     return f"{med:.{digits}f}" + (f" ({min(vals):.{digits}f}-{max(vals):.{digits}f})" if len(vals) > 1 else "")
 
 
+def medians(rows: list[dict]) -> dict[int, dict[str, dict]]:
+    """{tokens: {row: figures}}: each row's medians over its repeats, and its ratios to llama-server's (given every
+    cell) paired by repeat, over the run and in the first quarter of the tokens; KV bytes as a fraction of
+    llama-server's."""
+    out: dict[int, dict[str, dict]] = {}
+    for tokens in sorted({r["tokens"] for r in rows}):
+        rs = [r for r in rows if r["tokens"] == tokens]
+        base = {r["repeat"]: r for r in rs if r["row"] == "llama-server"}
+        ref_kv = next((r["kv_mib"] for r in base.values() if r.get("kv_mib")), None)
+        per = out.setdefault(tokens, {})
+        for name in dict.fromkeys(r["row"] for r in rs):
+            mine = [r for r in rs if r["row"] == name]
+            paired = [(r, base[r["repeat"]]) for r in mine if r["repeat"] in base]
+            per[name] = {
+                "label": mine[0]["label"], "repeats": len(mine), "rates": [r["tokens_per_s"] for r in mine],
+                "ratios": [r["tokens_per_s"] / b["tokens_per_s"] for r, b in paired],
+                "q1_ratios": [r["quarters"][0] / b["quarters"][0] for r, b in paired
+                              if r["quarters"] and b["quarters"]],
+                "quarters": [statistics.median(r["quarters"][i] for r in mine if len(r["quarters"]) > i)
+                             for i in range(min(len(r["quarters"]) for r in mine))],
+                "ttft": [r["ttft_p50_s"] for r in mine if r["ttft_p50_s"] is not None],
+                "rss": [r["peak_rss_mib"] for r in mine if r["peak_rss_mib"]],
+                "kv_mib": max((r["kv_mib"] or 0) for r in mine) or None,
+                "kv_fraction": (max((r["kv_mib"] or 0) for r in mine) / ref_kv) if ref_kv else None,
+                "cells_per_sequence": mine[0]["cells_per_sequence"],
+                "generated": [r["generated_tokens"] for r in mine], "load": max(r["load_before"][0] for r in mine)}
+    return out
+
+
+def tables(rows: list[dict]) -> str:
+    """The markdown tables of `medians`, one a length, with the machine line first."""
+    cpus = sorted({r["cpu"]["model"] for r in rows})
+    simd = sorted({f for r in rows for f in r["cpu"].get("simd", [])})
+    lines = [f"CPU: {', '.join(cpus)} ({rows[0]['cpu'].get('cores')} cores; {' '.join(simd) or 'no AVX'}); "
+             f"llama-server {rows[0]['llama_server_version'].split(' / ')[0]}; epikv "
+             f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; flash attention {rows[0]['flash_attn']} and "
+             f"F16 K/V on both; {rows[0]['threads']} threads; {rows[0]['sequences']} requests at once.", ""]
+    for tokens, per in medians(rows).items():
+        lines += [f"{SEQUENCES} x {tokens:,} tokens | repeats | tok/s: median (min-max) | x llama-server (paired) | "
+                  "tok/s per quarter of the tokens | first quarter x llama-server | TTFT p50 (s) | peak RSS (MiB) | "
+                  "KV MiB (cells + mirror) | x llama-server's KV | cells a sequence | tokens generated | "
+                  "max load before",
+                  "|".join(["---"] * 13)]
+        for name, m in per.items():
+            base = name == "llama-server"
+            lines.append(" | ".join([
+                m["label"], str(m["repeats"]), _fmt(m["rates"]), "1" if base else _fmt(m["ratios"], 2),
+                ", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
+                _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
+                f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
+                f"{min(m['generated']):,}" + ("" if min(m["generated"]) == max(m["generated"]) else
+                                             f"-{max(m['generated']):,}"), f"{m['load']:.2f}"]))
+        lines.append("")
+    return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
+
+
 def summary(args) -> int:
     out = Path(args.out)
     path = out / "results.jsonl"
     if not path.exists():
         fail(f"no results at {path}")
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    lines = ["# epikv serve (llama.cpp) against llama-server: medians of interleaved repeats", ""]
-    cpus = sorted({r["cpu"]["model"] for r in rows})
-    lines.append(f"CPU: {', '.join(cpus)}; llama-server {rows[0]['llama_server_version']}; epikv "
-                 f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; flash attention "
-                 f"{rows[0]['flash_attn']}, KV {rows[0]['kv_type']}, {rows[0]['threads']} threads.")
-    lines.append("")
-    for tokens in sorted({r["tokens"] for r in rows}):
-        rs = [r for r in rows if r["tokens"] == tokens]
-        base = {r["repeat"]: r for r in rs if r["row"] == "llama-server"}
-        lines += [f"## {SEQUENCES} x {tokens:,} tokens", "",
-                  "| row | repeats | tok/s median (min-max) | x llama-server (paired) | per quarter (tok/s) | "
-                  "first quarter x | TTFT p50 s | peak RSS MiB | KV MiB (cells + mirror) | cells a sequence | "
-                  "load before |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for name in dict.fromkeys(r["row"] for r in rs):
-            mine = [r for r in rs if r["row"] == name]
-            ratio = [r["tokens_per_s"] / base[r["repeat"]]["tokens_per_s"] for r in mine if r["repeat"] in base]
-            q1 = [r["quarters"][0] / base[r["repeat"]]["quarters"][0] for r in mine
-                  if r["repeat"] in base and r["quarters"] and base[r["repeat"]]["quarters"]]
-            qs = [statistics.median(q[i] for q in (r["quarters"] for r in mine) if len(q) > i and q[i])
-                  for i in range(4) if any(len(r["quarters"]) > i and r["quarters"][i] for r in mine)]
-            lines.append(
-                f"| {mine[0]['label']} | {len(mine)} | {_fmt([r['tokens_per_s'] for r in mine])} | "
-                f"{_fmt(ratio, 2) if name != 'llama-server' else '1'} | {', '.join(f'{q:.1f}' for q in qs)} | "
-                f"{_fmt(q1, 2) if name != 'llama-server' else '1'} | "
-                f"{_fmt([r['ttft_p50_s'] for r in mine if r['ttft_p50_s'] is not None], 2)} | "
-                f"{_fmt([r['peak_rss_mib'] for r in mine if r['peak_rss_mib']], 0)} | "
-                f"{mine[0]['kv_mib']} | {mine[0]['cells_per_sequence']} | "
-                f"{max(r['load_before'][0] for r in mine):.2f} max |")
-        lines.append("")
-    (out / "summary.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    text = "# epikv serve (llama.cpp) against llama-server: medians of interleaved repeats\n\n" + tables(rows) + "\n"
+    (out / "summary.md").write_text(text)
+    print(text)
     return 0
 
 

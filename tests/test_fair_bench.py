@@ -33,7 +33,8 @@ def _row(name, rep, rate, q1, server="epikv"):
     return {"tokens": 1024, "row": name, "repeat": rep, "label": name, "server": server, "tokens_per_s": rate,
             "quarters": [q1, rate, rate, rate], "ttft_p50_s": 1.0, "peak_rss_mib": 500.0, "kv_mib": 10.0,
             "cells_per_sequence": 512, "load_before": [0.5, 0.5, 0.5], "cpu": {"model": "CPU X"},
-            "llama_server_version": "v", "epikv_commit": "abc", "flash_attn": "off", "kv_type": "f16", "threads": 2}
+            "llama_server_version": "v", "epikv_commit": "abc", "flash_attn": "off", "kv_type": "f16", "threads": 2,
+            "sequences": 8, "generated_tokens": 8192}
 
 
 def test_the_summary_pairs_each_repeat_with_llama_servers_own(fair, tmp_path, capsys):
@@ -45,6 +46,7 @@ def test_the_summary_pairs_each_repeat_with_llama_servers_own(fair, tmp_path, ca
     full = next(line for line in table.splitlines() if line.startswith("| full "))
     # paired by repeat: 1.00 both times (an unpaired ratio of medians, 75 / 75, would hide a swap of repeats)
     assert "| 75.0 (50.0-100.0) | 1.00 (1.00-1.00) |" in full and "CPU X" in table
+    assert full.split(" | ")[9] == "1.00"
 
 
 def test_rows_alternate_servers_and_reverse_on_odd_repeats(fair, tmp_path, monkeypatch):
