@@ -361,13 +361,40 @@ def tables(rows: list[dict]) -> str:
     return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
 
 
+# issue 50's goals: (length, row, what, bound, at least?) on medians of paired ratios
+GOALS = [(1024, "full", "ratio", 0.97, True), (1024, "epikv-seg-q:256", "ratio", 1.2, True),
+         (1024, "epikv-seg-q:256", "q1", 1.0, True), (4096, "epikv-seg-q:512", "ratio", 2.0, True),
+         (4096, "epikv-seg-q:512", "q1", 1.0, True), (4096, "epikv-seg-q:512", "kv", 0.25, False)]
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """One line per goal whose row was measured: the median, the bound, met or missed."""
+    med = medians(rows)
+    out = []
+    for tokens, name, what, bound, at_least in GOALS:
+        m = med.get(tokens, {}).get(name)
+        if m is None:
+            continue
+        v = {"ratio": statistics.median(m["ratios"]) if m["ratios"] else None,
+             "q1": statistics.median(m["q1_ratios"]) if m["q1_ratios"] else None, "kv": m["kv_fraction"]}[what]
+        if v is None:
+            continue
+        ok = v >= bound if at_least else v <= bound
+        say = {"ratio": "x llama-server's tokens/s over the run", "q1": "x llama-server's in the first quarter",
+               "kv": " of llama-server's KV bytes (cells + mirror)"}[what]
+        out.append(f"{SEQUENCES} x {tokens:,}, {m['label']}: {v:.2f}{say} (goal {'>=' if at_least else '<='} "
+                   f"{bound:g}: {'met' if ok else 'missed'})")
+    return out
+
+
 def summary(args) -> int:
     out = Path(args.out)
     path = out / "results.jsonl"
     if not path.exists():
         fail(f"no results at {path}")
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    text = "# epikv serve (llama.cpp) against llama-server: medians of interleaved repeats\n\n" + tables(rows) + "\n"
+    text = ("# epikv serve (llama.cpp) against llama-server: medians of interleaved repeats\n\n" + tables(rows)
+            + "\n\n" + "".join(f"- {g}\n" for g in goals(rows)))
     (out / "summary.md").write_text(text)
     print(text)
     return 0

@@ -93,3 +93,16 @@ def test_llama_servers_cells_and_kv_bytes_come_from_its_log(fair):
     assert kv == {"kv_mib": round(8 * 1280 * 23040 / 2**20, 1), "cells": 10240, "cells_per_sequence": 1280,
                   "kv_unified": "false"}
     assert fair.kv_of_llama_server("no such line")["cells"] is None
+
+
+def test_goals_say_met_or_missed_from_the_paired_medians(fair):
+    """Issue 50's goals: 8 x 1,024 `full` >= 0.97x; Seg-Q K = 512 at 8 x 4,096 >= 2.0x and <= a quarter of the KV."""
+    rows = [_row("llama-server", 0, 100.0, 50.0, "llama-server"), _row("full", 0, 97.0, 40.0)]
+    long = [{**_row("llama-server", 0, 50.0, 50.0, "llama-server"), "tokens": 4096, "kv_mib": 100.0},
+            {**_row("epikv-seg-q:512", 0, 99.0, 60.0), "tokens": 4096, "kv_mib": 26.0}]
+    lines = fair.goals(rows + long)
+    assert lines[0] == "8 x 1,024, full: 0.97x llama-server's tokens/s over the run (goal >= 0.97: met)"
+    assert lines[1].endswith("1.98x llama-server's tokens/s over the run (goal >= 2: missed)")
+    assert lines[2].endswith("1.20x llama-server's in the first quarter (goal >= 1: met)")
+    assert lines[3].endswith("0.26 of llama-server's KV bytes (cells + mirror) (goal <= 0.25: missed)")
+    assert len(lines) == 4  # Seg-Q K = 256 at 8 x 1,024 was not measured: no line
