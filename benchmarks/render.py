@@ -288,6 +288,37 @@ def serve_llama_server() -> str:
     return "\n\n".join(out) + "\n\n" + source_line(LLAMA_SERVER, "bash benchmarks/results/serve/llama-server/run.sh")
 
 
+FAIR = "serve/llama-server/fair/results.jsonl"
+FAIR_COMMAND = ("PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --tokens N --repeats 3 "
+                "[--rows ...] --out benchmarks/results/serve/llama-server/fair (each length's rows: "
+                "benchmarks/results/serve/llama-server/fair/README.md)")
+
+
+@functools.lru_cache(maxsize=None)
+def _fair():
+    """benchmarks/serve_vs_llama_server.py as a module: its medians() and tables() render what it measured."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_vs_llama_server", ROOT / "benchmarks" /
+                                                  "serve_vs_llama_server.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def serve_llama_server_fair() -> str:
+    """epikv serve (llama.cpp) against llama-server, interleaved repeats: medians, paired ratios, quarters."""
+    rows = load_jsonl(FAIR)
+    try:
+        text = _fair().tables(rows)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise RenderError(f"benchmarks/results/{FAIR}: a row lacks what the table needs ({type(e).__name__}: {e})") \
+            from None
+    met = "".join(f"- {g}\n" for g in _fair().goals(rows))
+    return text + "\n\n" + (f"Issue 50's goals, on these medians:\n\n{met}\n" if met else "") + \
+        source_line([FAIR], FAIR_COMMAND)
+
+
 def _serve_table(rel: str, command: str, what: str) -> str:
     rows = sorted(_serve_rows(rel), key=lambda r: (r["budget"] is not None, r["budget"] or 0))
 
@@ -680,14 +711,33 @@ def _generates(row: dict) -> str:
     return f"generates {per:,.0f} of {row['max_tokens']:,} a request"
 
 
+def _fair_headline(rows: list[dict]) -> list[str]:
+    """The README's llama-server row: each epikv row's tokens/s against llama-server's given every cell, the median
+    of ratios paired by repeat, per length; the KV bytes where the row holds fewer; the CPU and threads."""
+    med = _fair().medians(rows)
+    parts = []
+    for tokens, per in med.items():
+        rs = []
+        for name, m in per.items():
+            if m["label"].startswith("llama-server") or not m["ratios"]:
+                continue
+            kv = f" on {100 * m['kv_fraction']:.0f} % of llama-server's KV bytes" if (m["kv_fraction"] or 1) < 1 else ""
+            rs.append(f"{m['label'].removeprefix('epikv ')} {statistics.median(m['ratios']):.2f}x{kv}")
+        n = min(m["repeats"] for name, m in per.items() if name != "llama-server-shift")  # the rows stated
+        parts.append(f"{rows[0]['sequences']} x {tokens:,} tokens ({n} repeats): " + ", ".join(rs))
+    cpu = rows[0]["cpu"]
+    return [f"`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, {rows[0]['sequences']} requests "
+            f"at once ({_threads(rows[0]['threads'])}, {cpu['model']}, {cpu['cores']} cores)",
+            "tokens/s against llama-server given every cell, medians of interleaved repeats: " + "; ".join(parts),
+            "[serving](docs/benchmarks.md#interleaved-repeats)"]
+
+
 def headline() -> str:
     """The README's few headline figures, each from its raw file, each linking to its page."""
     inter = load_json("llamacpp/interleaved.json")
     step = load_json("llamacpp/step.json")
     srv = _streams_rows()
-    _, ls, ls3 = ({r["label"]: r for r in _serve_rows(f)} for f in LLAMA_SERVER)
-    ls_k = next(r for k, r in ls.items() if k.startswith("epikv"))  # the evicting rows, whatever their K
-    ls3_k = next(r for k, r in ls3.items() if k.startswith("epikv"))
+    fair_rows = load_jsonl(FAIR)
     win = _window(list(srv.values()))
     w = {k: _in_window(r, win) for k, r in srv.items()}
     _, cells = _retention_records()
@@ -731,17 +781,7 @@ def headline() -> str:
          f"{w['streams']:.1f} tok/s over the first {win} s: {w['streams'] / w['torch']:.2f}x the torch server and "
          f"{w['streams'] / w['unified']:.2f}x llama.cpp's unified cache, at equal KV bytes",
          "[serving](docs/benchmarks.md#both-engines-one-load)"],
-        [f"`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, {ls['full']['requests']} requests "
-         f"at once ({_threads(ls['full']['server']['threads'])})",
-         f"{ls['full']['requests']} x {ls['full']['max_tokens']:,} tokens: llama-server "
-         f"{ls['llama-server']['tokens_per_s']:.1f} tok/s; epikv on streams: `full` "
-         f"{ls['full']['tokens_per_s']:.1f}, K = {ls_k['budget']} on "
-         f"{100 * ls_k['cells'] / ls['full']['cells']:.0f} % of the cells "
-         f"{ls_k['tokens_per_s']:.1f}; {ls3_k['requests']} x {ls3_k['max_tokens']:,} on "
-         f"{ls3_k['cells'] // ls3_k['requests']:,} cells a sequence: llama-server stops each "
-         f"request at {ls3['llama-server']['generated_tokens'] / ls3['llama-server']['requests']:,.0f} tokens, "
-         f"epikv K = {ls3_k['budget']} {_generates(ls3_k)}",
-         "[serving](docs/benchmarks.md#llamacpps-own-server)"],
+        _fair_headline(fair_rows),
         [f"torch engine, generation to {max(long8k['settings']['long_lengths']) + long8k['settings']['prompt_tokens']:,}"
          " positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
@@ -751,7 +791,7 @@ def headline() -> str:
          f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
-    files = ["llamacpp/interleaved.json", "llamacpp/long.json", "llamacpp/step.json", *STREAMS.values(), *LLAMA_SERVER,
+    files = ["llamacpp/interleaved.json", "llamacpp/long.json", "llamacpp/step.json", *STREAMS.values(), FAIR,
              "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})
@@ -916,6 +956,7 @@ RENDERERS = {
     "serve-streams": serve_streams,
     "llamacpp-retention": llamacpp_retention,
     "serve-llama-server": serve_llama_server,
+    "serve-llama-server-fair": serve_llama_server_fair,
     "soak": soak,
     "serve-load": serve_load,
     "serve-fuzz": serve_fuzz,
