@@ -289,9 +289,10 @@ def serve_llama_server() -> str:
 
 
 FAIR = "serve/llama-server/fair/results.jsonl"
-FAIR_COMMAND = ("PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --tokens N --repeats 3 "
-                "[--rows ...] --out benchmarks/results/serve/llama-server/fair (each length's rows: "
-                "benchmarks/results/serve/llama-server/fair/README.md)")
+_FAIR_RUN = "PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --repeats 3 "
+FAIR_COMMAND = (f"{_FAIR_RUN}--tokens 1024 --out benchmarks/results/serve/llama-server/fair` and then `{_FAIR_RUN}"
+                "--tokens 4096 --rows llama-server,llama-server-shift,epikv-seg-q:512 --out "
+                "benchmarks/results/serve/llama-server/fair")
 
 
 @functools.lru_cache(maxsize=None)
@@ -703,14 +704,6 @@ def _ratio(a: float, b: float) -> str:
     return f"{round(a, 2) / round(b, 2):.2f}x"
 
 
-def _generates(row: dict) -> str:
-    """What a serve row generated per request, from its generated tokens (not its max_tokens)."""
-    per = row["generated_tokens"] / row["requests"]
-    if row["generated_tokens"] == row["requests"] * row["max_tokens"]:
-        return f"generates all {row['max_tokens']:,}"
-    return f"generates {per:,.0f} of {row['max_tokens']:,} a request"
-
-
 def _fair_headline(rows: list[dict]) -> list[str]:
     """The README's llama-server row: each epikv row's tokens/s against llama-server's given every cell, the median
     of ratios paired by repeat, per length; the KV bytes where the row holds fewer; the CPU and threads."""
@@ -719,7 +712,7 @@ def _fair_headline(rows: list[dict]) -> list[str]:
     for tokens, per in med.items():
         rs = []
         for name, m in per.items():
-            if m["label"].startswith("llama-server") or not m["ratios"]:
+            if name.startswith("llama-server") or not m["ratios"]:  # the yardstick and its context-shift row
                 continue
             kv = f" on {100 * m['kv_fraction']:.0f} % of llama-server's KV bytes" if (m["kv_fraction"] or 1) < 1 else ""
             rs.append(f"{m['label'].removeprefix('epikv ')} {statistics.median(m['ratios']):.2f}x{kv}")
