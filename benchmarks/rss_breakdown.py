@@ -13,20 +13,15 @@ import json
 import subprocess
 import sys
 
+# each stage adds its imports to those of every stage before it
 STAGES = [
     ("python", ""),
     ("numpy", "import numpy"),
-    ("torch", "import numpy, torch"),
-    ("llama_cpp (ctypes library)", "import numpy, torch; from epikv.llamacpp import lib; lib.load()"),
-    ("epikv.serving.llamacpp (policies, engine)",
-     "import numpy, torch; from epikv.llamacpp import lib; lib.load(); import epikv.serving.llamacpp"),
-    ("fastapi, uvicorn, the app",
-     "import numpy, torch; from epikv.llamacpp import lib; lib.load(); import epikv.serving.llamacpp; "
-     "import fastapi, uvicorn; import epikv.serving.app"),
-    ("GGUF loaded (SmolLM2 Q4_1)",
-     "import numpy, torch; from epikv.llamacpp import lib; lib.load(); import epikv.serving.llamacpp; "
-     "import fastapi, uvicorn; import epikv.serving.app; from epikv.llamacpp import load_gguf; "
-     "m = load_gguf('smollm2')"),
+    ("torch", "import torch"),
+    ("llama_cpp (ctypes library)", "from epikv.llamacpp import lib; lib.load()"),
+    ("epikv.serving.llamacpp (policies, engine)", "import epikv.serving.llamacpp"),
+    ("fastapi, uvicorn, the app", "import fastapi, uvicorn; import epikv.serving.app"),
+    ("GGUF loaded (SmolLM2 Q4_1)", "from epikv.llamacpp import load_gguf; m = load_gguf('smollm2')"),
 ]
 PROBE = "import re; print(int(re.search(r'VmRSS:\\s*(\\d+)', open('/proc/self/status').read()).group(1)))"
 
@@ -36,7 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
     out, prev = {}, 0.0
-    for name, code in STAGES:
+    for i, (name, _) in enumerate(STAGES):
+        code = "\n".join(c for _, c in STAGES[: i + 1] if c)
         r = subprocess.run([sys.executable, "-c", f"{code}\n{PROBE}"], capture_output=True, text=True)
         if r.returncode != 0:
             print(f"rss_breakdown: stage {name!r} failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)

@@ -24,6 +24,7 @@ Rows (--rows, comma-separated):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -81,6 +82,7 @@ def commit() -> str:
         return "?"
 
 
+@functools.lru_cache(maxsize=None)
 def gguf() -> str:
     from epikv.models import _GGUF_NAME, _gguf_folder
 
@@ -214,7 +216,8 @@ def run_row(spec: dict, tokens: int, logdir: Path, tag: str) -> dict:
             proc.wait()
         shutil.rmtree(out, ignore_errors=True)
     text = log.read_text(errors="replace")
-    row = {"label": spec["label"], "server": spec["server"], "argv": [a for a in argv if a != gguf()],
+    model = gguf()
+    row = {"label": spec["label"], "server": spec["server"], "argv": [a for a in argv if a != model],
            "load_before": [round(x, 2) for x in load], "peak_rss_mib": rss,
            **{k: res.get(k) for k in ("tokens_per_s", "generated_tokens", "wall_s", "ttft_p50_s", "ttft_p95_s",
                                       "completed", "failed", "errors", "tokens_by_second")}}
