@@ -21,14 +21,14 @@ RENDER = ROOT / "benchmarks" / "render.py"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-def _render_module():
-    spec = importlib.util.spec_from_file_location("epikv_render", RENDER)
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-render = _render_module()
+render = _module(RENDER, "epikv_render")
 
 
 def run_render(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -192,17 +192,10 @@ def test_a_missing_raw_file_is_one_line_and_exit_2(monkeypatch):
 REPO_URL = "https://example.org/owner/epikv"
 
 
-def _links_module():
-    spec = importlib.util.spec_from_file_location("epikv_repo_links", ROOT / "scripts" / "mkdocs_repo_links.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_repository_paths_become_links_only_when_a_repository_url_is_set():
     """A quoted path that exists becomes a link to its file (blob) or folder (tree); fenced code, a span already
     inside a link, a path that does not exist and prose in code are left alone; no URL, no change."""
-    links = _links_module().link_paths
+    links = _module(ROOT / "scripts" / "mkdocs_repo_links.py", "epikv_repo_links").link_paths
     page = "\n".join(["See `src/epikv/cache.py` and `benchmarks/results/`, and `README.md`.",
                       "```bash", "cat `src/epikv/cache.py`", "```",
                       "Already [`src/epikv/cli.py`](cli.md); gone: `src/epikv/nope.py`; code: `--budget 96`."])

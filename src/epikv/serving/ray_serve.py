@@ -218,6 +218,7 @@ async def asgi_forward(app, method: str, path: str, query: bytes, headers: list,
 
 
 def _error(status: int, message: str, retry_after: int | None = None):
+    """app.py's OpenAI error shape, written here so that the router does not import the app (and torch with it)."""
     from starlette.responses import JSONResponse
 
     return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": None}},
