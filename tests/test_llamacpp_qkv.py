@@ -160,7 +160,8 @@ def test_captured_qkv_are_the_torch_engines(gm, smollm2, prompt_ids):
     # Seg's value swap makes Seg-Q read the values too
     dec = LlamaDecoder(gm, "epikv-seg-q", 4096, max_tokens=256, type_kv="f32", flash_attn=False, threads=1, swap=8)
     qa = dec.policy.query_layer(gm.depth)
-    assert dec.query_layers == [qa] and dec.kv_layers == list(range(gm.n_layers))
+    assert dec.query_layers == [qa] and dec.kv_layers == list(range(gm.n_layers))  # every layer's, on arrival
+    assert dec.mirror_layers == [qa]  # what the keep rule reads at eviction: block A+1's keys alone
     feeds, _ = recording(dec)
     dec.prefill(prompt_ids)
     dec.close()
@@ -298,7 +299,9 @@ def assert_mirror_is_the_cache(dec, ctx, capture):
     mk, mv = dec.cached_kv()
     perm = capture.unpermute
     n = len(pos)
-    for l in range(len(keys)):
+    held = [l for l in range(len(keys)) if mk[l] is not None]  # the layers the keep rule reads (Observes.kv_layers)
+    assert held == dec.mirror_layers and held
+    for l in held:
         kl = keys[l].reshape(n, dec.gm.n_head_kv, -1)
         kl = kl[..., perm] if perm is not None else kl
         assert np.array_equal(mk[l][0].transpose(0, 1).numpy(), kl), f"layer {l} keys"
@@ -311,8 +314,8 @@ def assert_mirror_is_the_cache(dec, ctx, capture):
 def test_kv_mirror_holds_exactly_llamacpps_cells(gm, prompt_ids, name, type_kv, flash):
     """After every eviction of a run at tau 16 (runs of several positions removed at once) the mirror's positions,
     keys and values are bit for bit what llama.cpp's cells hold (cast as it stores them: F16 by default, F32 with
-    type_kv="f32"; V transposed with flash attention off). Seg-Q reads keys only: its mirror holds no values and is
-    half the KV cache's bytes; lag-kv's holds both, as many bytes as the cache."""
+    type_kv="f32"; V transposed with flash attention off). Seg-Q reads one layer's keys: its mirror holds no values
+    and no other layer; lag-kv's holds both at every layer, as many bytes as the cache."""
     from epikv.llamacpp import LlamaDecoder
 
     dec = LlamaDecoder(gm, name, 96, tau=16, max_tokens=len(prompt_ids) + 120, type_kv=type_kv,
@@ -326,9 +329,11 @@ def test_kv_mirror_holds_exactly_llamacpps_cells(gm, prompt_ids, name, type_kv, 
         if dec.evictions > before:
             assert_mirror_is_the_cache(dec, dec.ctx, dec.capture)
     assert len(checked) >= 4
-    assert dec.mirror_bytes() == dec.kv_bytes() // (2 if name == "epikv-seg-q" else 1)
+    # Seg-Q mirrors block A+1's keys alone (its segment statistic is taken on arrival): 1 / (2 x layers) of the
+    # cache's bytes; lag-kv reads every layer's keys and values at eviction
+    assert dec.mirror_bytes() == dec.kv_bytes() // (2 * gm.n_layers if name == "epikv-seg-q" else 1)
     assert (dec.cached_kv()[1] == []) == (name == "epikv-seg-q")
-    assert dec.cached_kv()[0][0].dtype == (torch.float16 if type_kv == "f16" else torch.float32)
+    assert dec.cached_kv()[0][dec.mirror_layers[0]].dtype == (torch.float16 if type_kv == "f16" else torch.float32)
     dec.close()
 
 

@@ -175,7 +175,10 @@ def test_nan_ranks_lowest_in_tier_pass_fill_swap_and_top_up():
 
 
 def test_seg_keep_reads_the_segment_statistic_from_the_keys():
-    """EpiKVSeg.keep: tiers come from the key variance; values only feed the swap."""
+    """EpiKVSeg: tiers come from the key variance, taken on arrival (kv_stats: the new tokens' keys, the last T slots
+    of every layer), and the keep rule reads no cached key; values only feed the swap."""
+    from epikv.policies import StepObservation
+
     g = torch.Generator().manual_seed(8)
     key_scale, value_scale = [2.0, 4.0, 1.0, 3.0], [4.0, 1.0, 3.0, 2.0]  # different tier orders
 
@@ -187,11 +190,20 @@ def test_seg_keep_reads_the_segment_statistic_from_the_keys():
 
     keys, values = cached(key_scale), cached(value_scale)
     rank, _ = _seg_inputs()
-    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT, token_data={"score": rank}, keys=keys,
-                 values=values)
     pol = get_policy("epikv-seg", segment=SEG, caps=CAPS)
-    got = pol.keep(None, view)
+    assert pol.observes(2).kv_layers == ()  # no cached key read at eviction
     cpu = torch.device("cpu")
+    kvar = []
+    for a in range(0, N, 7):  # steps of several tokens: the newest slots of what is stored so far
+        b = min(N, a + 7)
+        obs = StepObservation(hidden={}, attentions={}, valid=torch.ones(1, b - a, dtype=torch.bool),
+                              positions=torch.arange(a, b)[None], keys=[k[..., :b, :] for k in keys],
+                              values=[v[..., :b, :] for v in values])
+        kvar.append(pol.kv_stats(obs)["kvar"])
+    kvar = torch.cat(kvar, -1)
+    torch.testing.assert_close(kvar, slot_statistic(keys, "var", cpu))  # unbiased, over heads then layers
+    view = _view(N, PROMPT + RECENT + 20, RECENT, n_protect=PROMPT, token_data={"score": rank, "kvar": kvar})
+    got = pol.keep(None, view)
     by_keys = seg_keep(rank, slot_statistic(keys, "var", cpu), view, SEG, CAPS)
     by_values = seg_keep(rank, slot_statistic(values, "var", cpu), view, SEG, CAPS)
     assert torch.equal(got, by_keys) and not torch.equal(by_keys, by_values)
@@ -386,6 +398,31 @@ def test_value_reserve_statistic_is_taken_on_arrival_and_follows_refilled_slots(
             torch.testing.assert_close(c.token_data["vstat"], slot_statistic(values, stat, torch.device("cpu")))
         assert c.evictions > 10
     assert refilled, "the reserve never took the refill path"
+
+
+@pytest.mark.parametrize("name, settings", [("epikv-seg", dict(tau=4, rule="steps", segment=8, swap=2)),
+                                            ("epikv-seg-q", dict(tau=4, segment=8))])
+def test_seg_statistics_taken_on_arrival_stay_aligned_with_the_cache(tiny, name, settings):
+    """The torch engine on Seg / Seg-Q: after every step of a run with evictions and multi-token chunks, the
+    recorded key variance (and, with the swap, value range) of every kept token is that of the key (value) it
+    holds in the cache, in true order."""
+    from epikv.engine import Decoder
+    from epikv.policies.kv_var import slot_statistic
+
+    pol = get_policy(name, recent=4, **settings)
+    ids = torch.randint(10, 2000, (1, 90), generator=torch.Generator().manual_seed(5))
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        dec = Decoder(tiny.model, pol, budget=24)
+        dec.prefill(ids[:, :6], [0])
+        for s in range(6, 90, 3):
+            dec.step(ids[:, s : s + 3])
+            c = dec.cache
+            torch.testing.assert_close(c.token_data["kvar"], slot_statistic([l.keys for l in c.layers], "var", cpu))
+            if pol.swap:
+                torch.testing.assert_close(c.token_data["vstat"],
+                                           slot_statistic([l.values for l in c.layers], "range", cpu))
+        assert c.evictions >= 5
 
 
 # -- Seg-Q -------------------------------------------------------------------------------------------------------------

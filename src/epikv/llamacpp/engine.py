@@ -31,7 +31,7 @@ from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
 from .model import GGUFModel
-from .sequence import CellCounter, SequenceCache
+from .sequence import CellCounter, SequenceCache, kv_plan
 
 # Policies llama.cpp runs: those that read hidden states or positions, and those that read rotated queries, cached
 # keys/values or the keys/values of arriving tokens (captured from the graph: Qcur / Kcur / Vcur, with a key/value
@@ -108,8 +108,9 @@ def attn_plan(gm: GGUFModel, policy: Policy) -> dict[str, list[int]]:
     q = sorted(obs.query_layers or range(gm.n_layers)) if obs.queries else []
     if q:
         check_layers(q, gm.n_layers)
-    kv = list(range(gm.n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+    kv = kv_plan(obs, gm.n_layers)["capture"]
     return {"queries": q, "keys": kv if "k" in obs.kv_parts else [], "values": kv if "v" in obs.kv_parts else []}
+
 
 
 def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:

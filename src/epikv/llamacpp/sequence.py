@@ -27,9 +27,20 @@ import torch
 from ..errors import EpiKVError
 from ..policies import CacheView, Policy
 from ..policy_state import PolicyState
+from ..signals import check_layers
 from ..policies.hidden import HiddenStatePolicy
 from . import lib
 from .model import GGUFModel
+
+
+def kv_plan(obs, n_layers: int) -> dict[str, list[int]]:
+    """Which layers' keys / values a sequence mirrors ("mirror": Observes.keys_values at Observes.kv_layers, every
+    layer when None) and which the capture copies at each decode ("capture": the mirror's, or every layer for a
+    policy that takes a statistic on arrival, Observes.arriving_kv)."""
+    mirror = (list(range(n_layers)) if obs.kv_layers is None else sorted(obs.kv_layers)) if obs.keys_values else []
+    if mirror:
+        check_layers(mirror, n_layers)
+    return {"mirror": mirror, "capture": list(range(n_layers)) if obs.arriving_kv else mirror}
 
 
 @dataclass(frozen=True)
@@ -87,17 +98,19 @@ class SequenceCache:
         self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
         obs = policy.observes(gm.depth)
         n_layers = gm.n_layers
-        self._needs_kv = bool(obs.keys_values)
-        self._arriving_kv = bool(obs.arriving_kv) and not obs.keys_values
-        self.kv_layers = list(range(n_layers)) if (obs.keys_values or obs.arriving_kv) else []
+        plan = kv_plan(obs, n_layers)
+        self.mirror_layers = plan["mirror"]  # the layers whose keys / values the mirror holds (the keep rule's)
+        self.kv_layers = plan["capture"]  # the layers captured at each decode (every one for arrival statistics)
+        self._needs_kv = bool(self.mirror_layers)
+        self._arriving_kv = bool(obs.arriving_kv)
         self.kv_parts = "".join(k for k in "kv" if k in obs.kv_parts) if self.kv_layers else ""  # what is read
         self._n_queries = int(obs.queries)
         self.query_layers = sorted(obs.query_layers or range(n_layers)) if obs.queries else []
         self.kv_dtype = kv_dtype
-        # [parts, layers, kv_heads, capacity, head_dim]: the keys and / or values the policy reads (the mirror)
+        # [parts, mirror layers, kv_heads, capacity, head_dim]: the keys and / or values the keep rule reads
         self._kv: torch.Tensor | None = None
         self.mirror_cells: int | None = None  # the most cells this sequence can hold (set by the caller): the capacity
-        self._arriving: list[dict[str, dict[int, np.ndarray]]] = []  # captured K/V rows of the unscored tokens
+        self._arriving: list[dict[str, np.ndarray]] = []  # captured K/V rows of the unscored tokens, [L, t, H, d]
         self._queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, <= w, head_dim]
         self._attended = 0  # tokens whose queries / keys / values `attend` took for the next `record`
 
@@ -154,37 +167,38 @@ class SequenceCache:
 
     # -- keys, values and queries -------------------------------------------------------------------------------------
     def _take_attn(self, n_old: int, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
-        """Append the t new tokens' keys and values to the mirror (cast as llama.cpp stores them), or keep them
-        for on_tokens (arriving only); roll the query window."""
+        """Append the t new tokens' keys and values to the mirror (cast as llama.cpp stores them) and / or keep
+        them for on_tokens (a statistic taken on arrival); roll the query window."""
         if self._needs_kv:
             kv = self._kv
-            parts = self.kv_parts
+            parts, layers = self.kv_parts, self.mirror_layers
             if kv is None or kv.shape[3] < n_old + t:
-                _, heads, dim = attn[parts[0]][self.kv_layers[0]].shape
+                _, heads, dim = attn[parts[0]][layers[0]].shape
                 cap = max(n_old + t, 2 * kv.shape[3] if kv is not None else self.mirror_cells or 0)
-                grown = torch.zeros(len(parts), len(self.kv_layers), heads, cap, dim, dtype=self.kv_dtype)
+                grown = torch.zeros(len(parts), len(layers), heads, cap, dim, dtype=self.kv_dtype)
                 if kv is not None:
                     grown[:, :, :, :n_old] = kv[:, :, :, :n_old]
                 self._kv = kv = grown
-            new = np.stack([np.stack([attn[kind][l] for l in self.kv_layers]) for kind in parts])  # [P, L, t, H, d]
+            new = np.stack([np.stack([attn[kind][l] for l in layers]) for kind in parts])  # [P, L, t, H, d]
             kv[:, :, :, n_old : n_old + t] = torch.from_numpy(new).transpose(2, 3)  # cast to the cache's type
-        elif self._arriving_kv:
-            self._arriving.append({kind: {l: attn[kind][l].astype(np.float32, copy=True) for l in self.kv_layers}
-                                   for kind in self.kv_parts})
+        if self._arriving_kv:
+            self._arriving.append({kind: np.stack([attn[kind][l] for l in self.kv_layers]) for kind in self.kv_parts})
         w = self._n_queries
         for l in self.query_layers:
             q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]
             old = self._queries.get(l)
             self._queries[l] = q if old is None else torch.cat([old, q], dim=2)[:, :, -w:]
 
-    def cached_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def cached_kv(self) -> tuple[list, list]:
         """The mirror's keys and values per layer, [1, kv_heads, n, head_dim] views in chronological order (the
-        torch engine's layout), as llama.cpp stores them; [] for what the policy does not read (Observes.kv_parts)."""
+        torch engine's layout), as llama.cpp stores them, None at a layer the keep rule does not read
+        (Observes.kv_layers); [] for what the policy does not read (Observes.kv_parts)."""
         if not self._needs_kv or self._kv is None:
             return [], []
         n = self.stored()
-        return tuple([self._kv[self.kv_parts.index(kind), j, None, :, :n] for j in range(len(self.kv_layers))]
-                     if kind in self.kv_parts else [] for kind in "kv")
+        at = {l: j for j, l in enumerate(self.mirror_layers)}
+        return tuple([self._kv[self.kv_parts.index(kind), at[l], None, :, :n] if l in at else None
+                      for l in range(self.gm.n_layers)] if kind in self.kv_parts else [] for kind in "kv")
 
     def mirror_bytes(self) -> int:
         """Bytes this sequence's key/value mirror holds (0 for a policy that reads no cached keys/values)."""
@@ -248,10 +262,10 @@ class SequenceCache:
                       for blk in self.blocks}  # [1, u, dim]
         stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
         keys, values = self.cached_kv()
-        if self._arriving:  # the u new tokens' keys / values, [1, kv_heads, u, head_dim] as the cache stores them
-            keys, values = ([torch.from_numpy(np.concatenate([a[kind][l] for a in self._arriving]))
-                             .transpose(0, 1)[None].to(self.kv_dtype) for l in self.kv_layers]
-                            if kind in self.kv_parts else [] for kind in "kv")
+        if self._arriving:  # the u new tokens' keys / values per layer, [1, kv_heads, u, head_dim] as stored
+            keys, values = (list(torch.from_numpy(np.concatenate([a[kind] for a in self._arriving], axis=1))
+                                 .to(self.kv_dtype).transpose(1, 2)[:, None]) if kind in self.kv_parts else []
+                            for kind in "kv")
         # the positions are in the mirror already (record): the policy's own data is appended
         self.ps.observe(hidden=hidden, valid=torch.ones(1, u, dtype=torch.bool), positions=pos, n_old=n - u,
                         kv_heads=self.gm.n_head_kv, keys=keys, values=values, stored=stored,

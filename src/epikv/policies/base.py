@@ -25,10 +25,17 @@ class Observes:
     attention_layers: tuple[int, ...] = ()
     """Softmax attention weights of these layers (forces eager attention)."""
     keys_values: bool = False
-    """The cached keys / values at eviction time."""
+    """The cached keys / values at eviction time (and, in the torch engine, in on_tokens: every stored slot)."""
+    kv_layers: tuple[int, ...] | None = None
+    """With keys_values: the layers whose cached keys / values the keep rule reads (None: every layer; (): none, the
+    policy takes its statistics on arrival and needs keys_values only to keep the cache in true order). The torch
+    engine's view lists every layer anyway (views of its cache); the engines that copy keys (llama.cpp's mirror, the
+    paged server's gather) hold only these and put None at every other layer of CacheView.keys / values."""
     arriving_kv: bool = False
     """The keys / values of the tokens just written, in on_tokens only: a statistic taken on arrival (keys and
-    values never change once cached), so the cache may still refill its holes at eviction (see EpiKVCache)."""
+    values never change once cached), so the cache may still refill its holes at eviction (see EpiKVCache). With
+    keys_values too, on_tokens is handed every layer with the new tokens last (the torch engine: every stored slot;
+    the engines that copy: the new ones only), so read `x[:, :, -T:]`."""
     queries: int = 0
     """The last w rotated query states per layer, recomputed from q_proj (main attention stays SDPA)."""
     query_layers: tuple[int, ...] = ()
@@ -46,10 +53,12 @@ class Observes:
             parts.append("hidden states at blocks " + ",".join(map(str, self.hidden_layers)))
         if self.attention_layers:
             parts.append(f"attention weights at {len(self.attention_layers)} layers")
-        if self.keys_values:
-            parts.append("cached keys/values")
-        elif self.arriving_kv:
-            parts.append("keys/values on arrival")
+        what = {"k": "keys", "v": "values"}.get(self.kv_parts, "keys/values")
+        if self.keys_values and self.kv_layers != ():
+            where = (" at blocks " + ",".join(map(str, self.kv_layers))) if self.kv_layers else ""
+            parts.append(f"cached {what}{where}")
+        if self.arriving_kv:
+            parts.append(f"{what} on arrival")
         if self.queries:
             where = (" at blocks " + ",".join(map(str, self.query_layers))) if self.query_layers else ""
             kind = "pre-RoPE query states" if self.pre_rope else "query states"

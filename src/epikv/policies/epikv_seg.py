@@ -7,7 +7,7 @@ from .._lazy import torch
 from ..errors import EpiKVError
 from .base import CacheView, Observes
 from .epikv import EpiKVFlat
-from .kv_var import check_stat, slot_statistic
+from .kv_var import arrival_statistic, check_stat
 from .pages import _too_small
 
 RULES = ("pruned", "steps", "every")
@@ -185,7 +185,8 @@ class EpiKVSeg(EpiKVFlat):
     eviction (decode tokens before the first); segments start at the row's first real slot (left padding is in no
     segment); the caps and the value swap use the ranking score with NaN lowest; the swap only trades among decode
     slots outside the recency window and runs after the fill; a segment statistic is computed from the keys as
-    stored at the eviction (keys never change, so it equals one computed at arrival).
+    taken per slot when the token is stored (keys never change, so it is the one an eviction would compute; the same
+for the swap's value statistic), so an eviction reads no cached key.
     """
 
     tau: int = 128
@@ -214,8 +215,23 @@ class EpiKVSeg(EpiKVFlat):
                              "(a page belongs to one segment)")
 
     def observes(self, n_layers):
-        return Observes(hidden_layers=super().observes(n_layers).hidden_layers, keys_values=True,
-                        kv_parts="kv" if self.swap else "k")  # values for the swap only
+        # the statistics are taken on arrival (kv_stats): no layer's cached keys are read at eviction; keys_values
+        # keeps the cache in true order (segments are runs of consecutive slots)
+        return Observes(hidden_layers=super().observes(n_layers).hidden_layers, keys_values=True, kv_layers=(),
+                        arriving_kv=True, kv_parts="kv" if self.swap else "k")  # values for the swap only
+
+    def kv_stats(self, obs) -> dict[str, torch.Tensor]:
+        """The new tokens' key variance ("kvar", the segment statistic's per-slot term) and, with the swap, their
+        value statistic ("vstat"), [batch, T] each: taken when they are stored (keys and values never change), so
+        an eviction reads no cached key."""
+        t = obs.valid.shape[1]
+        out = {"kvar": arrival_statistic(obs.keys, t, "var", obs.valid)}
+        if self.swap:
+            out["vstat"] = arrival_statistic(obs.values, t, self.swap_stat, obs.valid)
+        return out
+
+    def on_tokens(self, state, obs):
+        return {**super().on_tokens(state, obs), **self.kv_stats(obs)}
 
     def should_evict(self, length, budget, steps, decode_slots):
         if length > budget + self.tau - 1:  # every rule: never more than K + tau - 1 between two steps
@@ -236,8 +252,8 @@ class EpiKVSeg(EpiKVFlat):
     def keep(self, state, view):
         dev = view.device
         rank = self.ranking(state, view).to(dev)
-        seg_stat = slot_statistic(view.keys, "var", dev)
-        value = slot_statistic(view.values, self.swap_stat, dev) if self.swap else None
+        seg_stat = view.token_data["kvar"].to(dev)
+        value = view.token_data["vstat"].to(dev) if self.swap else None
         if self.page:
             return seg_page_keep(rank, seg_stat, view, self.page, self.segment, tuple(self.caps), self.fill, value,
                                  self.swap)

@@ -83,8 +83,10 @@ class EpiKVSegQ(EpiKVSeg):
 
     def observes(self, n_layers):
         hidden = super().observes(n_layers).hidden_layers if self.mode == "add" else ()
-        return Observes(hidden_layers=hidden, keys_values=True, kv_parts="kv" if self.swap else "k",
-                        queries=self.queries, query_layers=(self.query_layer(n_layers),))
+        qa = self.query_layer(n_layers)
+        # at eviction: the cached keys of block A+1 only (the segment statistic is taken on arrival, kv_stats)
+        return Observes(hidden_layers=hidden, keys_values=True, kv_layers=(qa,), arriving_kv=True,
+                        kv_parts="kv" if self.swap else "k", queries=self.queries, query_layers=(qa,))
 
     def init_state(self, batch, n_layers, device):
         state = super().init_state(batch, n_layers, device)
@@ -95,7 +97,7 @@ class EpiKVSegQ(EpiKVSeg):
         return state
 
     def on_tokens(self, state, obs):
-        return super().on_tokens(state, obs) if self.mode == "add" else {}
+        return super().on_tokens(state, obs) if self.mode == "add" else self.kv_stats(obs)
 
     def ranking(self, state, view: CacheView) -> torch.Tensor:
         dev = view.device

@@ -9,7 +9,7 @@ from .._lazy import torch
 
 from ..signals import HiddenDelta, RollingStats, check_layers, published_pair, scale_band, scale_layer
 from .base import CacheView, Observes, Policy, StepObservation, check_window_over, window_tokens
-from .kv_var import check_stat, slot_statistic
+from .kv_var import arrival_statistic, check_stat
 
 REF_A, REF_B = 10, 21  # the paper's layers for a 32-block model
 REF_BAND_A, REF_BAND_B = (7, 13), (18, 25)
@@ -74,9 +74,7 @@ class HiddenStatePolicy(Policy):
         score = self.combine(g, state["stats"], g_valid & counted)
         out = {"score": torch.where(obs.valid & counted, score, torch.zeros_like(score))}
         if self.reserve:  # the value statistic of the T new tokens, the last T slots of each layer
-            t = obs.valid.shape[1]
-            vstat = slot_statistic([v[:, :, -t:] for v in obs.values], self.reserve_stat, dev)  # [batch, T]
-            out["vstat"] = vstat.masked_fill(~obs.valid, 0.0)
+            out["vstat"] = arrival_statistic(obs.values, obs.valid.shape[1], self.reserve_stat, obs.valid)  # [batch, T]
         return out
 
     def scores(self, state: Any, view: CacheView) -> torch.Tensor:

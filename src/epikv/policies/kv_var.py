@@ -20,25 +20,45 @@ def check_stat(policy: str, setting: str, stat: str) -> None:
         raise EpiKVError(f"{policy}: {setting} must be one of {', '.join(SLOT_STATS)}, got {stat!r}")
 
 
+_STACK = 1 << 22  # float32 elements reduced per call: a step's few tokens of every layer in one, bounded at eviction
+
+
+def _reduce(x: torch.Tensor, stat: str) -> torch.Tensor:
+    """x [..., head_dim] float32 -> the statistic over head_dim [...]."""
+    if stat == "var":
+        return x.var(dim=-1)  # unbiased
+    if stat == "range":
+        return x.amax(dim=-1) - x.amin(dim=-1)
+    if stat == "norm":
+        return x.norm(dim=-1)
+    raise EpiKVError(f"unknown slot statistic {stat!r}; known: {', '.join(SLOT_STATS)}")
+
+
 def slot_statistic(tensors: list[torch.Tensor], stat: str, device: torch.device) -> torch.Tensor:
     """Per slot: a statistic of the cached vector over head_dim, in float32, averaged over KV heads, then over layers.
 
     tensors: per layer [batch, kv_heads, n, head_dim] (keys or values). stat: "var" (unbiased variance), "range"
-    (max - min) or "norm" (L2). Returns [batch, n] on `device`."""
-    total = None
-    for x in tensors:  # one layer at a time: one float32 copy of a layer, not of the whole cache
-        x = x.to(device, dtype=torch.float32)
-        if stat == "var":
-            s = x.var(dim=-1)  # unbiased
-        elif stat == "range":
-            s = x.amax(dim=-1) - x.amin(dim=-1)
-        elif stat == "norm":
-            s = x.norm(dim=-1)
-        else:
-            raise EpiKVError(f"unknown slot statistic {stat!r}; known: {', '.join(SLOT_STATS)}")
-        s = s.mean(dim=1)  # [batch, n]: mean over KV heads
+    (max - min) or "norm" (L2). Returns [batch, n] on `device`. Layers of one shape are reduced together, up to
+    _STACK float32 elements at a time (one call for the tokens of a step, never a float32 copy of a whole cache)."""
+    total, i = None, 0
+    while i < len(tensors):
+        shape = tensors[i].shape
+        j = i + 1
+        while j < len(tensors) and tensors[j].shape == shape and (j - i + 1) * tensors[i].numel() <= _STACK:
+            j += 1
+        x = torch.stack(tensors[i:j]).to(device, dtype=torch.float32)  # [layers, batch, kv_heads, n, head_dim]
+        s = _reduce(x, stat).mean(dim=2).sum(dim=0)  # [batch, n]: mean over KV heads, summed over these layers
         total = s if total is None else total + s
+        i = j
     return total / len(tensors)
+
+
+def arrival_statistic(tensors: list[torch.Tensor], t: int, stat: str, valid: torch.Tensor) -> torch.Tensor:
+    """slot_statistic of the t newest slots of every layer (the tokens a step just stored: their keys / values never
+    change, so this is the statistic an eviction would read), 0 where not valid. tensors: per layer [batch,
+    kv_heads, >= t, head_dim], the new tokens last; valid: [batch, t]. Returns [batch, t] on valid's device."""
+    s = slot_statistic([x[:, :, -t:] for x in tensors], stat, valid.device)
+    return s.masked_fill(~valid, 0.0)
 
 
 @dataclass

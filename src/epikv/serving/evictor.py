@@ -113,18 +113,24 @@ class KVReader:
 
     def __init__(self, lay, request_id: str, obs, policy: Policy) -> None:
         self.lay, self.rid, self.layers = lay, request_id, lay.layers
-        self.needs_all = bool(obs.keys_values)
-        self.arriving = bool(obs.arriving_kv) and not self.needs_all
+        # the layers the keep rule reads at eviction (Observes.kv_layers; None: every one)
+        self.read = list(self.layers) if obs.kv_layers is None else [l for l in self.layers if l in obs.kv_layers]
+        self.needs_all = bool(obs.keys_values) and bool(self.read)
+        self.arriving = bool(obs.arriving_kv)  # on_tokens gets the new slots only, even with keys_values
         # full keys at on_tokens only for a policy that scores on arrival (lag-kv reads them at eviction only)
-        self.all_on_step = self.needs_all and type(policy).on_tokens is not Policy.on_tokens
+        self.all_on_step = (bool(obs.keys_values) and not self.arriving
+                            and type(policy).on_tokens is not Policy.on_tokens)
         self.kv_heads = lay.kv_heads
 
     def step(self, n_old: int, t: int) -> tuple[list, list]:
-        if self.all_on_step:
-            return _kv_rows(self.lay, self.rid, 0, n_old + t, self.layers)
         if self.arriving:
             return _kv_rows(self.lay, self.rid, n_old, n_old + t, self.layers)
+        if self.all_on_step:
+            return _kv_rows(self.lay, self.rid, 0, n_old + t, self.layers)
         return [], []
 
     def all(self, n: int) -> tuple[list, list]:
-        return _kv_rows(self.lay, self.rid, 0, n, self.layers)
+        """Every stored slot of the layers the keep rule reads; None at the others (as CacheView.keys says)."""
+        keys, values = _kv_rows(self.lay, self.rid, 0, n, self.read)
+        at = dict(zip(self.read, range(len(self.read))))
+        return tuple([rows[at[l]] if l in at else None for l in self.layers] for rows in (keys, values))
