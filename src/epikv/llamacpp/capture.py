@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,35 @@ def interrupts_held(active: bool = True):
             elif previous == signal.SIG_DFL:
                 os.kill(os.getpid(), signal.SIGINT)
             # SIG_IGN (or a handler set outside Python): ignored, as it would have been
+
+
+class LayerRows(Mapping):
+    """layer -> [tokens, heads, head_dim] rows of one kind (q, k or v), backed by one [layers, tokens, heads,
+    head_dim] array (`stacked`, in `layers` order), so a sequence takes its tokens of every layer in one slice and
+    one copy (`rows(lo, hi)`, `stacked`) instead of one per layer."""
+
+    def __init__(self, layers: list[int], stacked: np.ndarray) -> None:
+        self.layers, self.stacked = layers, stacked
+        self._at = {l: j for j, l in enumerate(layers)}
+
+    def __getitem__(self, layer: int) -> np.ndarray:
+        return self.stacked[self._at[layer]]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def rows(self, lo: int, hi: int) -> "LayerRows":
+        """Tokens lo .. hi - 1 of every layer (a view)."""
+        return LayerRows(self.layers, self.stacked[:, lo:hi])
+
+    def take(self, layers: list[int]) -> np.ndarray:
+        """[len(layers), tokens, heads, head_dim] of these layers, a copy (one slice when they are all held)."""
+        if layers == self.layers:
+            return self.stacked.copy()
+        return np.stack([self[l] for l in layers])
 
 
 class BlockCapture:
@@ -321,12 +351,12 @@ class BlockCapture:
               & (self._ne[lo:hi] == want_ne).all(1) & (self._nb[lo:hi, :3] == self._want_nb).all(1))
         if not ok.all():
             self._refuse(n_tokens)
-        out: dict[str, dict[int, np.ndarray]] = {}
+        out: dict[str, LayerRows] = {}
         for kind, ls in self.attn_layers.items():
             rows = self.attn_buf[kind][:, :n_tokens]  # [layers, tokens, heads, dim]
             if self.unpermute is not None and kind != "v" and ls:
                 rows = rows[..., self.unpermute]  # one copy for every layer
-            out[kind] = {l: rows[j] for j, l in enumerate(ls)}
+            out[kind] = LayerRows(list(ls), rows)
         return out
 
     def _refuse(self, n_tokens: int) -> None:

@@ -30,6 +30,7 @@ from ..policy_state import PolicyState
 from ..signals import check_layers
 from ..policies.hidden import HiddenStatePolicy
 from . import lib
+from .capture import LayerRows
 from .model import GGUFModel
 
 
@@ -41,6 +42,14 @@ def kv_plan(obs, n_layers: int) -> dict[str, list[int]]:
     if mirror:
         check_layers(mirror, n_layers)
     return {"mirror": mirror, "capture": list(range(n_layers)) if obs.arriving_kv else mirror}
+
+
+def _layers(rows, layers: list[int], copy: bool = False) -> np.ndarray:
+    """[len(layers), t, heads, head_dim] of a kind's captured rows (capture.LayerRows: one slice when every layer
+    it holds is asked for; a plain layer -> rows dict: stacked)."""
+    if isinstance(rows, LayerRows) and rows.layers == layers:
+        return rows.stacked.copy() if copy else rows.stacked
+    return np.stack([rows[l] for l in layers])
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class SequenceCache:
         self.kv_dtype = kv_dtype
         # [parts, mirror layers, kv_heads, capacity, head_dim]: the keys and / or values the keep rule reads
         self._kv: torch.Tensor | None = None
+        self._kv_np: np.ndarray | None = None  # a numpy view of _kv
         self.mirror_cells: int | None = None  # the most cells this sequence can hold (set by the caller): the capacity
         self._arriving: list[dict[str, np.ndarray]] = []  # captured K/V rows of the unscored tokens, [L, t, H, d]
         self._queries: dict[int, torch.Tensor] = {}  # layer -> [1, heads, <= w, head_dim]
@@ -163,7 +173,7 @@ class SequenceCache:
         """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
         self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
         self.token_data, self._rows, self._unscored = {}, [], 0
-        self._kv, self._arriving, self._queries = None, [], {}
+        self._kv, self._kv_np, self._arriving, self._queries = None, None, [], {}
 
     # -- keys, values and queries -------------------------------------------------------------------------------------
     def _take_attn(self, n_old: int, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
@@ -179,10 +189,11 @@ class SequenceCache:
                 if kv is not None:
                     grown[:, :, :, :n_old] = kv[:, :, :, :n_old]
                 self._kv = kv = grown
-            new = np.stack([np.stack([attn[kind][l] for l in layers]) for kind in parts])  # [P, L, t, H, d]
-            kv[:, :, :, n_old : n_old + t] = torch.from_numpy(new).transpose(2, 3)  # cast to the cache's type
+                self._kv_np = grown.numpy()  # the same memory: numpy writes a step's rows in one call
+            for p, kind in enumerate(parts):  # [L, t, H, d] -> [L, H, t, d], cast to the cache's type (round to even)
+                self._kv_np[p, :, :, n_old : n_old + t] = _layers(attn[kind], layers).transpose(0, 2, 1, 3)
         if self._arriving_kv:
-            self._arriving.append({kind: np.stack([attn[kind][l] for l in self.kv_layers]) for kind in self.kv_parts})
+            self._arriving.append({kind: _layers(attn[kind], self.kv_layers, copy=True) for kind in self.kv_parts})
         w = self._n_queries
         for l in self.query_layers:
             q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]

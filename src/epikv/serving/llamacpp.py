@@ -513,7 +513,7 @@ class LlamaBackend(Backend):
             logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, end - 1), shape=(self.n_vocab,))
             try:  # an error here is this request's alone: it fails, its cells go, the others go on
                 if attn is not None:
-                    r.seq.attend(t, {k: {l: x[off:end] for l, x in d.items()} for k, d in attn.items()})
+                    r.seq.attend(t, {k: d.rows(off, end) for k, d in attn.items()})
                 r.seq.record(t, {blk: x[off:end] for blk, x in rows.items()} if rows is not None else None)
                 r.fed += t
                 if r.fed == r.known:  # its newest logits are the next token's: sample it
