@@ -7,13 +7,15 @@ with `llama_memory_seq_rm`, checked against llama.cpp's bounds and cell count.
 The caller owns the context and the decode; after each decode it hands this sequence its rows (`record`).
 
 For the policies that read cached keys and values (Observes.keys_values: epikv-seg, epikv-seg-q, lag-kv, lag-kv-key)
-the mirror also holds every cached token's key and / or value (Observes.kv_parts: what the policy reads) per layer and
-KV head, as llama.cpp stores them (its type_k / type_v: F16 by default, F32 with type_kv="f32"; the captured float32
-rows cast the same way), compacted with the positions at every eviction: the policy's view.keys / view.values are
-[1, kv_heads, n, head_dim] views of it, in the torch engine's layout ([] for a part it does not read). Policies that
-read the keys/values of arriving tokens only (kv-key, kv-val, the value reserve) get those rows in on_tokens and no
-mirror. Policies that read queries (Observes.queries) get the last w
-rotated queries of their layers, [1, heads, w, head_dim], the newest last, as the torch engine keeps them.
+the mirror also holds every cached token's key and / or value (Observes.kv_parts: what the policy reads) per KV head
+at the layers its keep rule reads (Observes.kv_layers: every one for lag-kv, block A+1 alone for Seg-Q, none for
+Seg, whose statistics are taken on arrival), as llama.cpp stores them (its type_k / type_v: F16 by default, F32 with
+type_kv="f32"; the captured float32 rows cast the same way), compacted with the positions at every eviction: the
+policy's view.keys / view.values are [1, kv_heads, n, head_dim] views of it, in the torch engine's layout (None at
+a layer not held, [] for a part it does not read). Policies that take a statistic on arrival (Observes.arriving_kv:
+kv-key, kv-val, the value reserve, Seg and Seg-Q) get the new tokens' rows of every layer in on_tokens. Policies
+that read queries (Observes.queries) get the last w rotated queries of their layers, [1, heads, w, head_dim], the
+newest last, as the torch engine keeps them.
 """
 
 from __future__ import annotations
