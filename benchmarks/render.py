@@ -320,6 +320,78 @@ def serve_llama_server_fair() -> str:
         source_line([FAIR], FAIR_COMMAND)
 
 
+FAIR_4096 = "serve/llama-server/fair-4096/results.jsonl"
+FAIR_4096_COMMAND = (f"{_FAIR_RUN}--tokens 4096 --rows llama-server,epikv-seg-q:512 --out "
+                     "benchmarks/results/serve/llama-server/fair-4096")
+
+
+def serve_llama_server_fair_4096() -> str:
+    """The 8 x 4,096 goal rows again, after Seg-Q's key mirror went to the one layer its keep rule reads."""
+    rows = load_jsonl(FAIR_4096)
+    try:
+        text = _fair().tables(rows)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise RenderError(f"benchmarks/results/{FAIR_4096}: a row lacks what the table needs "
+                          f"({type(e).__name__}: {e})") from None
+    met = "".join(f"- {g}\n" for g in _fair().goals(rows))
+    return text + "\n\n" + (f"Issue 50's goals, on these medians:\n\n{met}\n" if met else "") + \
+        source_line([FAIR_4096], FAIR_4096_COMMAND)
+
+
+PROFILE = "serve/llama-server/profile"
+PROFILE_COMMAND = ("bash benchmarks/profile_serve.sh epikv-seg-q 256 1024 benchmarks/results/serve/llama-server/"
+                   "profile/{before,after}")
+
+
+def serve_profile() -> str:
+    """Where the engine thread of `epikv serve --engine llama.cpp` spends its busy time, before and after a change."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_summary", ROOT / "benchmarks" / "profile_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    body, files = [], []
+    for run in ("before", "after"):
+        rel = f"{PROFILE}/{run}/samples.txt.gz"
+        if not (RESULTS / rel).exists():
+            raise RenderError(f"benchmarks/results/{rel} is missing")
+        sh = mod.engine_shares(str(RESULTS / rel))
+        top = ", ".join(f"{fn} {100 * v:.1f} %" for fn, v in list(sh["outside"].items())[:4])
+        body.append([run, f"{sh['busy']:,}", f"{100 * sh['llama_decode']:.1f} %", f"{100 - 100 * sh['llama_decode']:.1f} %",
+                     top])
+        files.append(rel)
+    head = ["run", "busy samples", "in llama_decode", "Python outside it", "largest parts outside it (inclusive)"]
+    return table(head, body) + "\n\n" + source_line(files, PROFILE_COMMAND)
+
+
+AB = "serve/llama-server/ab-issue50"
+AB_COMMAND = ("bash benchmarks/ab_serve_commits.sh a8fc81f epikv-seg-q:256 1024 3 "
+              "benchmarks/results/serve/llama-server/ab-issue50")
+
+
+def serve_ab() -> str:
+    """One row at two commits, alternating on the same machine: the paired ratios new / old."""
+    rate = {side: [r["tokens_per_s"] for r in load_jsonl(f"{AB}/{side}/results.jsonl")] for side in ("old", "new")}
+    commits = {side: sorted({str(r.get("epikv_commit")) for r in load_jsonl(f"{AB}/{side}/results.jsonl")})
+               for side in ("old", "new")}
+    if len(rate["old"]) != len(rate["new"]) or not rate["old"]:
+        raise RenderError(f"benchmarks/results/{AB}: old and new need the same number of repeats")
+    pairs = [n / o for o, n in zip(rate["old"], rate["new"])]
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    return (f"8 x 1,024 tokens, `epikv-seg-q` K = 256, tokens/s in run order: old ({', '.join(commits['old'])}) "
+            f"{fmt(rate['old'])}; new ({', '.join(commits['new'])}) {fmt(rate['new'])}; new / old paired "
+            f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f}x.\n\n"
+            + source_line([f"{AB}/old/results.jsonl", f"{AB}/new/results.jsonl"], AB_COMMAND))
+
+
+def _fair_latest() -> list[dict]:
+    """The interleaved rows the README states: the first run's, with its lengths that a later run measured again
+    (fair-4096) replaced by the later run's."""
+    new = load_jsonl(FAIR_4096)
+    again = {r["tokens"] for r in new}
+    return [r for r in load_jsonl(FAIR) if r["tokens"] not in again] + new
+
+
 def _serve_table(rel: str, command: str, what: str) -> str:
     rows = sorted(_serve_rows(rel), key=lambda r: (r["budget"] is not None, r["budget"] or 0))
 
@@ -730,7 +802,7 @@ def headline() -> str:
     inter = load_json("llamacpp/interleaved.json")
     step = load_json("llamacpp/step.json")
     srv = _streams_rows()
-    fair_rows = load_jsonl(FAIR)
+    fair_rows = _fair_latest()
     win = _window(list(srv.values()))
     w = {k: _in_window(r, win) for k, r in srv.items()}
     _, cells = _retention_records()
@@ -785,7 +857,7 @@ def headline() -> str:
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
     files = ["llamacpp/interleaved.json", "llamacpp/long.json", "llamacpp/step.json", *STREAMS.values(), FAIR,
-             "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
+             FAIR_4096, "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})
     return (table(["what", "measured", "details"], rows)
@@ -950,6 +1022,9 @@ RENDERERS = {
     "llamacpp-retention": llamacpp_retention,
     "serve-llama-server": serve_llama_server,
     "serve-llama-server-fair": serve_llama_server_fair,
+    "serve-llama-server-fair-4096": serve_llama_server_fair_4096,
+    "serve-profile": serve_profile,
+    "serve-ab-issue50": serve_ab,
     "soak": soak,
     "serve-load": serve_load,
     "serve-fuzz": serve_fuzz,
