@@ -380,23 +380,19 @@ def test_value_reserve_statistic_is_taken_on_arrival_and_follows_refilled_slots(
     """The reserve reads each token's values when it is written and no cache at eviction, so the cache refills its
     holes (slots out of true order) as for plain epikv; the recorded statistic must stay that of the values each
     kept token holds, through refills and multi-token chunks."""
-    from epikv.engine import Decoder
     from epikv.policies.kv_var import slot_statistic
 
-    pol = get_policy("epikv", reserve=3, reserve_stat=stat, tau=2, recent=4)
-    ids = torch.randint(10, 2000, (1, 70), generator=torch.Generator().manual_seed(3))
     refilled = False
-    with torch.inference_mode():
-        dec = Decoder(tiny.model, pol, budget=16)
-        dec.prefill(ids[:, :6], [0])
-        for s in range(6, 70, 3):
-            dec.step(ids[:, s : s + 3])
-            c = dec.cache
-            phys = c._phys if c._phys is not None else torch.arange(c.layers[0].length)[None]
-            refilled |= c._phys is not None and not torch.equal(phys[0], phys[0].sort().values)
-            values = [l.values[:, :, phys[0]] for l in c.layers]  # true order
-            torch.testing.assert_close(c.token_data["vstat"], slot_statistic(values, stat, torch.device("cpu")))
-        assert c.evictions > 10
+
+    def check(c):
+        nonlocal refilled
+        phys = c._phys if c._phys is not None else torch.arange(c.layers[0].length)[None]
+        refilled |= c._phys is not None and not torch.equal(phys[0], phys[0].sort().values)
+        values = [l.values[:, :, phys[0]] for l in c.layers]  # true order
+        torch.testing.assert_close(c.token_data["vstat"], slot_statistic(values, stat, torch.device("cpu")))
+
+    c = _decode_in_chunks(tiny, get_policy("epikv", reserve=3, reserve_stat=stat, tau=2, recent=4), 16, 70, 3, check)
+    assert c.evictions > 10
     assert refilled, "the reserve never took the refill path"
 
 
@@ -406,23 +402,32 @@ def test_seg_statistics_taken_on_arrival_stay_aligned_with_the_cache(tiny, name,
     """The torch engine on Seg / Seg-Q: after every step of a run with evictions and multi-token chunks, the
     recorded key variance (and, with the swap, value range) of every kept token is that of the key (value) it
     holds in the cache, in true order."""
-    from epikv.engine import Decoder
     from epikv.policies.kv_var import slot_statistic
 
     pol = get_policy(name, recent=4, **settings)
-    ids = torch.randint(10, 2000, (1, 90), generator=torch.Generator().manual_seed(5))
     cpu = torch.device("cpu")
+
+    def check(c):
+        torch.testing.assert_close(c.token_data["kvar"], slot_statistic([l.keys for l in c.layers], "var", cpu))
+        if pol.swap:
+            torch.testing.assert_close(c.token_data["vstat"], slot_statistic([l.values for l in c.layers], "range", cpu))
+
+    assert _decode_in_chunks(tiny, pol, 24, 90, 5, check).evictions >= 5
+
+
+def _decode_in_chunks(tiny, pol, budget: int, n: int, seed: int, check):
+    """The torch engine on n random tokens: a 6-token prompt, then chunks of 3, `check(cache)` after each chunk;
+    returns the cache."""
+    from epikv.engine import Decoder
+
+    ids = torch.randint(10, 2000, (1, n), generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
-        dec = Decoder(tiny.model, pol, budget=24)
+        dec = Decoder(tiny.model, pol, budget=budget)
         dec.prefill(ids[:, :6], [0])
-        for s in range(6, 90, 3):
+        for s in range(6, n, 3):
             dec.step(ids[:, s : s + 3])
-            c = dec.cache
-            torch.testing.assert_close(c.token_data["kvar"], slot_statistic([l.keys for l in c.layers], "var", cpu))
-            if pol.swap:
-                torch.testing.assert_close(c.token_data["vstat"],
-                                           slot_statistic([l.values for l in c.layers], "range", cpu))
-        assert c.evictions >= 5
+            check(dec.cache)
+    return dec.cache
 
 
 # -- Seg-Q -------------------------------------------------------------------------------------------------------------
