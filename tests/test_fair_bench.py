@@ -106,3 +106,29 @@ def test_goals_say_met_or_missed_from_the_paired_medians(fair):
     assert lines[2].endswith("1.20x llama-server's in the first quarter (goal >= 1: met)")
     assert lines[3].endswith("0.26 of llama-server's KV bytes (cells + mirror) (goal <= 0.25: missed)")
     assert len(lines) == 4  # Seg-Q K = 256 at 8 x 1,024 was not measured: no line
+
+
+def test_profile_shares_split_the_engine_threads_busy_samples(tmp_path):
+    """benchmarks/profile_summary.py (rendered in docs/benchmarks.md): the engine thread's samples waiting for work
+    (in `_commands`) are not busy; of the busy ones, those whose leaf is the `_decode` line seen most (the line that
+    calls llama_decode) are inside it, and every other function on a busy stack counts outside it; other threads
+    count for nothing."""
+    spec = importlib.util.spec_from_file_location("profile_summary", ROOT / "benchmarks" / "profile_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    loop = "thread (1): epikv-llamacpp;Thread.run (threading.py:1);LlamaBackend._loop (epikv/serving/llamacpp.py:280)"
+    step = loop + ";LlamaBackend._step (epikv/serving/llamacpp.py:470);LlamaBackend._decode (epikv/serving/llamacpp.py:"
+    lines = [f"{step}492) 6",
+             f"{step}516);SequenceCache.attend (epikv/llamacpp/sequence.py:140);_layers (epikv/llamacpp/sequence.py:51) 2",
+             f"{step}513) 1",  # a line of _decode itself
+             f"{loop};LlamaBackend._commands (epikv/serving/llamacpp.py:294);Condition.wait (threading.py:331) 5",
+             "thread (2): MainThread;Runner.run (asyncio/runners.py:118) 40"]
+    path = tmp_path / "samples.txt"
+    path.write_text("\n".join(lines) + "\n")
+    sh = mod.engine_shares(str(path))
+    assert sh["busy"] == 9
+    assert sh["llama_decode"] == pytest.approx(6 / 9)
+    assert sh["outside"]["SequenceCache.attend (sequence.py)"] == pytest.approx(2 / 9)
+    assert sh["outside"]["_layers (sequence.py)"] == pytest.approx(2 / 9)
+    assert sh["outside"]["LlamaBackend._decode (llamacpp.py), its own lines"] == pytest.approx(1 / 9)
+    assert not any("Condition" in k or "Runner" in k for k in sh["outside"])
