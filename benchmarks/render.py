@@ -116,8 +116,7 @@ def f2(x) -> str:
 # -------------------------------------------------------------------------------------------- measured tables
 
 
-def llamacpp_step() -> str:
-    f = "llamacpp/step.json"
+def llamacpp_step(f: str = "llamacpp/step.json") -> str:
     d = load_json(f)
     rows = [[r["config"], f"{r['tokens_per_s']:.2f}", f"{r['time_vs_plain_whole']:.3f}",
              f"{r['time_vs_plain_held']:.3f}"] for r in d["rows"]]
@@ -1024,6 +1023,7 @@ RENDERERS = {
     "serve-llama-server-fair": serve_llama_server_fair,
     "serve-llama-server-fair-4096": serve_llama_server_fair_4096,
     "serve-profile": serve_profile,
+    "llamacpp-step-seg-q-issue50": lambda: llamacpp_step("llamacpp/step-seg-q-issue50.json"),
     "serve-ab-issue50": serve_ab,
     "soak": soak,
     "serve-load": serve_load,
