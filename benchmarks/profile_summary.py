@@ -51,6 +51,8 @@ def engine_shares(path: str) -> dict:
     for f, n in busy:
         if f and f[-1].startswith("LlamaBackend._decode "):
             leaves[f[-1]] += n
+    if not m or not leaves:
+        raise ValueError(f"{path}: no busy sample of the engine thread (epikv-llamacpp) inside LlamaBackend._decode")
     call, in_decode = leaves.most_common(1)[0]
     loop = ("Thread", "LlamaBackend._loop", "LlamaBackend._step", "LlamaBackend._decode")
     outside = collections.Counter()

@@ -295,28 +295,37 @@ FAIR_COMMAND = (f"{_FAIR_RUN}--tokens 1024 --out benchmarks/results/serve/llama-
 
 
 @functools.lru_cache(maxsize=None)
-def _fair():
-    """benchmarks/serve_vs_llama_server.py as a module: its medians() and tables() render what it measured."""
+def _bench_module(name: str):
+    """benchmarks/<name>.py as a module, so a page renders with the same code that measured (or summarised)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("serve_vs_llama_server", ROOT / "benchmarks" /
-                                                  "serve_vs_llama_server.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def serve_llama_server_fair() -> str:
-    """epikv serve (llama.cpp) against llama-server, interleaved repeats: medians, paired ratios, quarters."""
-    rows = load_jsonl(FAIR)
+def _fair():
+    """benchmarks/serve_vs_llama_server.py: its medians(), tables() and goals() render what it measured."""
+    return _bench_module("serve_vs_llama_server")
+
+
+def _fair_block(rel: str, command: str) -> str:
+    """An interleaved run's tables and issue 50's goals on its medians, from its raw file."""
+    rows = load_jsonl(rel)
     try:
         text = _fair().tables(rows)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise RenderError(f"benchmarks/results/{FAIR}: a row lacks what the table needs ({type(e).__name__}: {e})") \
+        raise RenderError(f"benchmarks/results/{rel}: a row lacks what the table needs ({type(e).__name__}: {e})") \
             from None
     met = "".join(f"- {g}\n" for g in _fair().goals(rows))
     return text + "\n\n" + (f"Issue 50's goals, on these medians:\n\n{met}\n" if met else "") + \
-        source_line([FAIR], FAIR_COMMAND)
+        source_line([rel], command)
+
+
+def serve_llama_server_fair() -> str:
+    """epikv serve (llama.cpp) against llama-server, interleaved repeats: medians, paired ratios, quarters."""
+    return _fair_block(FAIR, FAIR_COMMAND)
 
 
 FAIR_4096 = "serve/llama-server/fair-4096/results.jsonl"
@@ -326,15 +335,7 @@ FAIR_4096_COMMAND = (f"{_FAIR_RUN}--tokens 4096 --rows llama-server,epikv-seg-q:
 
 def serve_llama_server_fair_4096() -> str:
     """The 8 x 4,096 goal rows again, after Seg-Q's key mirror went to the one layer its keep rule reads."""
-    rows = load_jsonl(FAIR_4096)
-    try:
-        text = _fair().tables(rows)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise RenderError(f"benchmarks/results/{FAIR_4096}: a row lacks what the table needs "
-                          f"({type(e).__name__}: {e})") from None
-    met = "".join(f"- {g}\n" for g in _fair().goals(rows))
-    return text + "\n\n" + (f"Issue 50's goals, on these medians:\n\n{met}\n" if met else "") + \
-        source_line([FAIR_4096], FAIR_4096_COMMAND)
+    return _fair_block(FAIR_4096, FAIR_4096_COMMAND)
 
 
 PROFILE = "serve/llama-server/profile"
@@ -344,17 +345,16 @@ PROFILE_COMMAND = ("bash benchmarks/profile_serve.sh epikv-seg-q 256 1024 benchm
 
 def serve_profile() -> str:
     """Where the engine thread of `epikv serve --engine llama.cpp` spends its busy time, before and after a change."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("profile_summary", ROOT / "benchmarks" / "profile_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_module("profile_summary")
     body, files = [], []
     for run in ("before", "after"):
         rel = f"{PROFILE}/{run}/samples.txt.gz"
         if not (RESULTS / rel).exists():
             raise RenderError(f"benchmarks/results/{rel} is missing")
-        sh = mod.engine_shares(str(RESULTS / rel))
+        try:
+            sh = mod.engine_shares(str(RESULTS / rel))
+        except ValueError as e:
+            raise RenderError(str(e)) from None
         top = ", ".join(f"{fn} {100 * v:.1f} %" for fn, v in list(sh["outside"].items())[:4])
         body.append([run, f"{sh['busy']:,}", f"{100 * sh['llama_decode']:.1f} %", f"{100 - 100 * sh['llama_decode']:.1f} %",
                      top])

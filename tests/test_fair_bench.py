@@ -132,3 +132,6 @@ def test_profile_shares_split_the_engine_threads_busy_samples(tmp_path):
     assert sh["outside"]["_layers (sequence.py)"] == pytest.approx(2 / 9)
     assert sh["outside"]["LlamaBackend._decode (llamacpp.py), its own lines"] == pytest.approx(1 / 9)
     assert not any("Condition" in k or "Runner" in k for k in sh["outside"])
+    path.write_text(lines[-1] + "\n")  # no engine thread: a clear error, not an IndexError
+    with pytest.raises(ValueError, match="no busy sample of the engine thread"):
+        mod.engine_shares(str(path))

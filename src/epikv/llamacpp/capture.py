@@ -167,11 +167,11 @@ def interrupts_held(active: bool = True):
 class LayerRows(Mapping):
     """layer -> [tokens, heads, head_dim] rows of one kind (q, k or v), backed by one [layers, tokens, heads,
     head_dim] array (`stacked`, in `layers` order), so a sequence takes its tokens of every layer in one slice and
-    one copy (`rows(lo, hi)`, `stacked`) instead of one per layer."""
+    one copy (`rows(lo, hi)`, then sequence._layers) instead of one per layer."""
 
-    def __init__(self, layers: list[int], stacked: np.ndarray) -> None:
+    def __init__(self, layers: list[int], stacked: np.ndarray, _at: dict[int, int] | None = None) -> None:
         self.layers, self.stacked = layers, stacked
-        self._at = {l: j for j, l in enumerate(layers)}
+        self._at = _at if _at is not None else {l: j for j, l in enumerate(layers)}
 
     def __getitem__(self, layer: int) -> np.ndarray:
         return self.stacked[self._at[layer]]
@@ -184,13 +184,7 @@ class LayerRows(Mapping):
 
     def rows(self, lo: int, hi: int) -> "LayerRows":
         """Tokens lo .. hi - 1 of every layer (a view)."""
-        return LayerRows(self.layers, self.stacked[:, lo:hi])
-
-    def take(self, layers: list[int]) -> np.ndarray:
-        """[len(layers), tokens, heads, head_dim] of these layers, a copy (one slice when they are all held)."""
-        if layers == self.layers:
-            return self.stacked.copy()
-        return np.stack([self[l] for l in layers])
+        return LayerRows(self.layers, self.stacked[:, lo:hi], self._at)  # per sequence per decode: no new index
 
 
 class BlockCapture:
