@@ -7,7 +7,8 @@ set -euo pipefail
 OLD=${1:?old commit}; ROW=${2:?row}; TOKENS=${3:?tokens}; REPEATS=${4:?repeats}; OUT=$(realpath -m "${5:?out dir}")
 HERE=$(pwd)
 PY=$HERE/.venv/bin/python
-export EPIKV_DATA_DIR=${EPIKV_DATA_DIR:-$(realpath "$HERE/../shared/data")}
+# both sides read this tree's shipped data (an older commit may not ship it)
+export EPIKV_DATA_DIR=${EPIKV_DATA_DIR:-$HERE/src/epikv/datasets}
 TREE=$(mktemp -d)/old
 git worktree add --detach "$TREE" "$OLD" > /dev/null
 trap 'git worktree remove --force "$TREE"' EXIT

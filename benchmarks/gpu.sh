@@ -20,9 +20,8 @@ if ! command -v "$EPIKV" > /dev/null; then
   exit 2
 fi
 mkdir -p "$OUT" || exit 2
-# MATH-500 prompts for the throughput step: $EPIKV_DATA_DIR, else ../shared/data or shared/data
-DATA=${EPIKV_DATA_DIR:-../shared/data}
-[ -f "$DATA/math500.jsonl" ] || DATA=shared/data
+# MATH-500 prompts for the throughput step: $EPIKV_DATA_DIR, else the copy shipped with epikv
+DATA=${EPIKV_DATA_DIR:-src/epikv/datasets}
 DEADLINE=470  # seconds after the start of this script
 MODEL=(--model random:llama-8b --device cuda --dtype bfloat16 --attn sdpa)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2> /dev/null || true

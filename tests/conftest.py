@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every test (and the CLI subprocesses it starts) reads the data shipped in the package, never a developer's override
+os.environ.pop("EPIKV_DATA_DIR", None)
 
 import pytest
 import torch

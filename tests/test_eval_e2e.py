@@ -1,4 +1,4 @@
-"""End to end on the embedded model: 3 GSM8K problems from ../shared/data, 2 policies x 2 budgets, the local
+"""End to end on the embedded model: 3 GSM8K problems of the shipped copy, 2 policies x 2 budgets, the local
 executor and Ray (a local 2-worker instance) give identical records under greedy decoding; the report renders."""
 
 import pytest
@@ -19,7 +19,7 @@ def budgets(smollm2):
 
 
 def _args(out, budgets, *extra):
-    return ["eval", "--dataset", "gsm8k", "--data-dir", str(data_dir()), "--limit", "3", "--model", "smollm2",
+    return ["eval", "--dataset", "gsm8k", "--limit", "3", "--model", "smollm2",
             "--policies", "epikv,streaming", "--budgets", ",".join(map(str, budgets)), "--recent", str(RECENT),
             "--max-new-tokens", "16", "--batch-size", "3", "--threads", "1", "--out", str(out), "--quiet", *extra]
 

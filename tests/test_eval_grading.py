@@ -1,4 +1,4 @@
-"""Grader tests on real MATH-500 / GSM8K answer formats (gold answers read from ../shared/data by id)."""
+"""Grader tests on real MATH-500 / GSM8K answer formats (gold answers read from the shipped data by id)."""
 
 import pytest
 

@@ -13,13 +13,14 @@ import torch
 
 from epikv.calibrate import RidgeSums, attention_targets, layer_run, normalise, read_texts
 from epikv.cli import main
+from epikv.data import SHIPPED
 from epikv.engine import Decoder
 from epikv.policies.learned import LearnedWeights, load_weights, shipped_weights
 
 from conftest import record_keeps
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data"
+DATA = SHIPPED  # the data shipped in the package (epikv/datasets/)
 
 
 def test_targets_match_a_loop_recomputation():
@@ -158,7 +159,6 @@ def _traces():
     return [json.loads(l) for l in (DATA / "reasoning_traces.jsonl").read_text().splitlines() if l.strip()]
 
 
-@pytest.mark.skipif(not (DATA / "reasoning_traces.jsonl").exists(), reason="needs ../shared/data")
 def test_exclude_leaves_out_the_traces_problems(tmp_path):
     tr = _traces()
     f = tmp_path / "mix.jsonl"
@@ -168,7 +168,6 @@ def test_exclude_leaves_out_the_traces_problems(tmp_path):
     assert len(read_texts(str(f), "solution", None, None)) == 2
 
 
-@pytest.mark.skipif(not (DATA / "reasoning_traces.jsonl").exists(), reason="needs ../shared/data")
 def test_shipped_weights_were_fitted_on_texts_disjoint_from_the_traces():
     """Every text the shipped weights were fitted on is a MATH-500 / GSM8K solution whose problem is none of the 28
     traces' and which no trace contains."""

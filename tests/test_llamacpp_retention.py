@@ -30,10 +30,9 @@ def gm():
 
 @pytest.fixture(scope="module")
 def item(gm):
-    from epikv.data import data_dir
     from epikv.retention.runner import load_traces, prepare_traces
 
-    rows = load_traces(data_dir() / "reasoning_traces.jsonl")[:1]
+    rows = load_traces("shared-28")[:1]
     items, skipped = prepare_traces(rows, gm.tokenizer, max_reasoning_tokens=300, max_answer_tokens=16)
     assert not skipped
     return items[0]

@@ -1,4 +1,6 @@
-"""Where local data lives: $EPIKV_DATA_DIR, else ../shared/data next to the repository (tests and offline runs)."""
+"""Where local data lives: $EPIKV_DATA_DIR, else the copy shipped inside the package (`epikv/datasets/`: MATH-500,
+AIME 2024/2025, GSM8K test and the 28 reasoning traces as JSONL; sources and licences in its SOURCES.md), so a
+named dataset or trace set works from any directory after install."""
 
 from __future__ import annotations
 
@@ -8,12 +10,26 @@ from pathlib import Path
 
 from .errors import EpiKVError
 
-_REPO = Path(__file__).resolve().parents[2]
+SHIPPED = Path(__file__).resolve().parent / "datasets"  # package data (pyproject's package-data), never cwd-relative
+
+# named trace sets (`--traces NAME`): the file each reads in the data folder
+TRACES = {"shared-28": "reasoning_traces.jsonl"}
 
 
 def data_dir() -> Path:
+    """$EPIKV_DATA_DIR when set (an override: the same file names), else the shipped copy."""
     env = os.environ.get("EPIKV_DATA_DIR")
-    return Path(env) if env else _REPO.parent / "shared" / "data"
+    return Path(env) if env else SHIPPED
+
+
+def traces_path(spec: str | None) -> Path:
+    """A `--traces` value: a name in TRACES (None: the default, shared-28) read from data_dir(), else a file path."""
+    if spec is None or spec in TRACES:
+        return data_dir() / TRACES[spec or "shared-28"]
+    path = Path(spec)
+    if not path.exists() and "/" not in spec and not spec.endswith(".jsonl"):
+        raise EpiKVError(f"unknown trace set {spec!r}; known: {', '.join(TRACES)}, or a path to a .jsonl file")
+    return path
 
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:

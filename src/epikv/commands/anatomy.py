@@ -17,7 +17,9 @@ def register(sub) -> None:
     s.required = True
 
     lab = s.add_parser("label", help="counterfactual occlusion labels over reasoning traces")
-    lab.add_argument("--traces", required=True, help="JSONL with prompt, trace (and is_correct) per row")
+    lab.add_argument("--traces", required=True,
+                     help="shared-28 (the traces shipped with epikv) or a JSONL with prompt, trace (and is_correct) "
+                          "per row")
     lab.add_argument("--label", choices=("nll", "flip"), default="nll",
                      help="nll: answer NLL increase (continuous, default); flip: regenerated answer changes")
     lab.add_argument("--window", type=positive_int, default=32)
@@ -82,11 +84,11 @@ def run_label(args) -> int:
     from ..store import Store
 
     from ..anatomy.labels import Spans, filler_token, occlusion_labels, tokenize_trace, windows
-    from ..data import read_jsonl
+    from ..data import read_jsonl, traces_path
 
     if args.stride > args.window:
         raise EpiKVError(f"--stride {args.stride} is larger than --window {args.window}: tokens would be skipped")
-    rows = read_jsonl(args.traces, required=("id", "prompt", "trace"))
+    rows = read_jsonl(traces_path(args.traces), required=("id", "prompt", "trace"))
     if args.label == "flip" and not args.all_traces:
         rows = [r for r in rows if r.get("is_correct", True)]  # the authors label correct traces only
     if args.ids:

@@ -71,7 +71,8 @@ def register(sub) -> None:
     add_policy_args(t, multi=True, own_default=True)
     t.add_argument("--cap-mib", type=nonneg_float, required=True, help="KV-memory cap (MiB) every batch must fit")
     t.add_argument("--data", default="math500", help="dataset name or JSONL path (fields id, problem, answer)")
-    t.add_argument("--data-dir", default=None, help="folder of the named datasets (default: ../shared/data)")
+    t.add_argument("--data-dir", default=None,
+                   help="folder of the named datasets (default: $EPIKV_DATA_DIR, else the copy shipped with epikv)")
     t.add_argument("--requests", type=positive_int, default=8, help="N: the first N prompts of the dataset")
     t.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="take only prompts of at most this many tokens (skipping longer ones)")
@@ -127,7 +128,8 @@ def register(sub) -> None:
     v.add_argument("--seed", type=nonneg_int, default=0, help="request i of a sampled run gets seed + i (default 0)")
     v.add_argument("--timeout", type=positive_int, default=3600, help="seconds per policy run, all requests")
     v.add_argument("--data", default="math500", help="dataset name or JSONL path (fields id, problem, answer)")
-    v.add_argument("--data-dir", default=None, help="folder of the named datasets (default: ../shared/data)")
+    v.add_argument("--data-dir", default=None,
+                   help="folder of the named datasets (default: $EPIKV_DATA_DIR, else the copy shipped with epikv)")
     v.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="take only prompts of at most this many tokens (an evicting policy refuses a prompt that "
                         "does not fit its budget with the recent window)")

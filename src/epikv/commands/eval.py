@@ -28,9 +28,9 @@ def register(sub) -> None:
                                    "Several processes may share OUT: each cell runs once (claimed under a lock). "
                                    "Progress: a bar on a terminal, a plain line every 20 s otherwise "
                                    "($EPIKV_PROGRESS_SECONDS).")
-    p.add_argument("--dataset", required=True, help="math500 | aime2024 | aime2025 | gsm8k | PATH.jsonl")
+    p.add_argument("--dataset", required=True, help="math500 | aime2024 | aime2025 | gsm8k (shipped with epikv) | hf:NAME (from the hub) | PATH.jsonl")
     p.add_argument("--data-dir", default=None,
-                   help="folder with local copies of the named datasets (default: $EPIKV_DATA_DIR, else the hub)")
+                   help="folder with local copies of the named datasets (default: $EPIKV_DATA_DIR, else the copy shipped with epikv)")
     p.add_argument("--protocol", choices=["paper", "r1"], default="paper")
     p.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
     p.add_argument("--samples", type=positive_int, default=1, help="samples per problem (r1 protocol: pass@1)")

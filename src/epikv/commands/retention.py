@@ -19,7 +19,8 @@ def register(sub) -> None:
                     "is not a terminal a progress line with the time left also appears every 20 s "
                     "($EPIKV_PROGRESS_SECONDS).")
     p.add_argument("--traces", default=None,
-                   help="JSONL traces with id, problem, trace (default: reasoning_traces.jsonl in the data folder)")
+                   help="shared-28 (the 28 R1 traces shipped with epikv, the default) or a JSONL file of traces with id, "
+                        "problem, trace")
     p.add_argument("--skip", type=nonneg_int, default=0,
                    help="skip the first N traces (with --limit: a slice), to split a run across processes or machines")
     p.add_argument("--limit", type=positive_int, default=None, help="only the first N traces (after --skip)")
@@ -46,12 +47,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..data import data_dir
+    from ..data import traces_path
     from ..retention.report import render_retention
     from ..retention.runner import load_traces, run_retention
     from ..retention.store import read_records
 
-    path = Path(args.traces) if args.traces else data_dir() / "reasoning_traces.jsonl"
+    path = traces_path(args.traces)
     rows = load_traces(path)
     if args.skip >= len(rows):
         raise EpiKVError(f"--skip {args.skip}: {path} has only {len(rows)} traces")

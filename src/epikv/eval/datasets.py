@@ -1,22 +1,22 @@
-"""Benchmark problems: MATH-500, AIME 2024/2025, GSM8K from the Hugging Face hub (default) or a local JSONL copy
-(fields id, problem, answer), found through --data-dir or $EPIKV_DATA_DIR; or any JSONL file given by path."""
+"""Benchmark problems: MATH-500, AIME 2024/2025, GSM8K as JSONL (fields id, problem, answer) from the copy shipped
+with the package (default), from --data-dir or $EPIKV_DATA_DIR holding the same file names, or from the Hugging Face
+hub as `hf:NAME`; or any JSONL file given by path."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import read_jsonl
+from ..data import data_dir as default_data_dir, read_jsonl
 from ..errors import EpiKVError
 
 
 @dataclass(frozen=True)
 class Named:
-    file: str  # local JSONL name in the data directory
+    file: str  # JSONL name in the data folder (the shipped one: epikv/datasets/)
     hub: str  # hub dataset id
     hub_config: str | None
     split: str
@@ -48,24 +48,23 @@ class Dataset:
 
 
 def load_dataset(spec: str, data_dir: str | None = None, limit: int | None = None) -> Dataset:
-    """spec: a name in DATASETS or a path to a JSONL file. Named sets come from the hub unless a data directory is
-    given (argument or $EPIKV_DATA_DIR)."""
-    if spec in DATASETS:
+    """spec: a name in DATASETS, `hf:NAME` (that set from the hub), or a path to a JSONL file. Named sets are read
+    from the data folder: the argument, else $EPIKV_DATA_DIR, else the copy shipped with the package."""
+    if spec.startswith("hf:") and spec[3:] in DATASETS:
+        spec, info = spec[3:], DATASETS[spec[3:]]
+        rows, source, integer = _hub(spec, info), f"hf:{info.hub}", info.integer
+    elif spec in DATASETS:
         info = DATASETS[spec]
-        folder = data_dir or os.environ.get("EPIKV_DATA_DIR")
-        if folder:
-            path = Path(folder) / info.file
-            rows, source = _local(path), str(path)
-        else:
-            rows, source = _hub(spec, info), f"hf:{info.hub}"
-        integer = info.integer
+        path = Path(data_dir or default_data_dir()) / info.file
+        rows, source, integer = _local(path), str(path), info.integer
     elif spec.endswith(".jsonl") or Path(spec).exists() or "/" in spec:
         path = Path(spec)
         rows, source = _local(path), str(path)
         integer = all(re.fullmatch(r"-?\d+", str(r.get("answer_norm", r["answer"])).replace(",", "")) for r in rows)
         spec = path.stem
     else:
-        raise EpiKVError(f"unknown dataset {spec!r}; known: {', '.join(DATASETS)}, or a path to a .jsonl file")
+        raise EpiKVError(f"unknown dataset {spec!r}; known: {', '.join(DATASETS)} (hf:NAME: from the hub), or a path "
+                         "to a .jsonl file")
     if not rows:
         raise EpiKVError(f"dataset {spec} ({source}) has no rows")
     rows = rows[:limit] if limit else rows
@@ -90,13 +89,13 @@ def _hub(name: str, info: Named) -> list[dict]:
     try:
         import datasets  # optional: only needed for hub downloads
     except ImportError:
-        raise EpiKVError(f"loading {name} from the hub needs `pip install datasets`; or pass --data-dir DIR "
-                         f"(or set EPIKV_DATA_DIR) holding {info.file}") from None
+        raise EpiKVError(f"loading {name} from the hub needs `pip install datasets`; or use --dataset {name} "
+                         "(the copy shipped with epikv)") from None
     try:
         ds = datasets.load_dataset(info.hub, info.hub_config, split=info.split)
     except Exception as e:  # network, auth, offline mode
         raise EpiKVError(f"cannot load {info.hub} from the hub ({type(e).__name__}); "
-                         f"pass --data-dir DIR holding {info.file}") from None
+                         f"--dataset {name} reads the copy shipped with epikv") from None
     rows = []
     for i, r in enumerate(ds):
         r = {k.lower(): v for k, v in r.items()}

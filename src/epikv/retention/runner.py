@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..data import read_jsonl
+from ..data import read_jsonl, traces_path
 from ..engine import Decoder, attention_for, encode_prompts
 from ..errors import EpiKVError
 from ..policies import get_policy
@@ -44,6 +44,8 @@ class TraceItem:
 
 
 def load_traces(path: str | Path) -> list[dict]:
+    """Traces of a JSONL file, or of a named set shipped with the package (`shared-28`)."""
+    path = traces_path(str(path))
     rows = read_jsonl(path, required=("id",))
     if not rows:
         raise EpiKVError(f"{path} holds no traces")
