@@ -113,3 +113,26 @@ def test_installed_wheel_finds_its_data_without_shared(tmp_path):
     assert got.pop("traces") == 28
     for name, (n, source) in got.items():
         assert n == ROWS[DATASETS[name].file] and Path(source).is_relative_to(site / "epikv" / "datasets"), name
+
+
+@pytest.mark.parametrize("argv", [["retention", "--traces", "shared28"],
+                                  ["anatomy", "label", "--traces", "shared28"]])
+def test_an_unknown_trace_set_is_one_line_and_exit_2(argv, tmp_path, capsys):
+    """Before any model loads: the name is refused in one line naming the known sets."""
+    from epikv.cli import main
+
+    code = main([*argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "unknown trace set 'shared28'" in err[0] and "shared-28" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_prefix_reads_the_hub(monkeypatch):
+    """`hf:NAME` goes to the hub loader under NAME's settings; a bare name never does."""
+    import epikv.eval.datasets as dsm
+
+    calls = []
+    monkeypatch.setattr(dsm, "_hub", lambda name, info: calls.append(name) or [{"id": "h", "problem": "p", "answer": "7"}])
+    ds = load_dataset("hf:aime2024")
+    assert (ds.name, ds.source, ds.integer, calls) == ("aime2024", "hf:Maxwell-Jia/AIME_2024", True, ["aime2024"])
+    assert load_dataset("aime2024").source == str(SHIPPED / "aime2024.jsonl") and calls == ["aime2024"]
