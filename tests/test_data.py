@@ -132,7 +132,8 @@ def test_hf_prefix_reads_the_hub(monkeypatch):
     import epikv.eval.datasets as dsm
 
     calls = []
-    monkeypatch.setattr(dsm, "_hub", lambda name, info: calls.append(name) or [{"id": "h", "problem": "p", "answer": "7"}])
+    row = {"id": "h", "problem": "p", "answer": "7"}
+    monkeypatch.setattr(dsm, "_hub", lambda name, info: calls.append(name) or [row])
     ds = load_dataset("hf:aime2024")
     assert (ds.name, ds.source, ds.integer, calls) == ("aime2024", "hf:Maxwell-Jia/AIME_2024", True, ["aime2024"])
     assert load_dataset("aime2024").source == str(SHIPPED / "aime2024.jsonl") and calls == ["aime2024"]
