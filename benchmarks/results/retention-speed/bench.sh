@@ -7,7 +7,7 @@ nice -n 10 env OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python - "$out" "$@"
 import sys, time, json, torch
 from epikv.cli import main
 out = sys.argv[1]
-argv = ["retention", "--model", "smollm2", "--traces", __import__("os").environ.get("TRACES", "../shared/data/reasoning_traces.jsonl"), "--limit", "4",
+argv = ["retention", "--model", "smollm2", "--traces", __import__("os").environ.get("TRACES", "src/epikv/datasets/reasoning_traces.jsonl"), "--limit", "4",
         "--max-reasoning-tokens", "512", "--max-answer-tokens", "32", "--policies", "full,epikv,h2o,lag-kv",
         "--budgets", "256", "--tau", "16", "--no-report", "--out", out] + sys.argv[2:]
 t0, w0 = time.process_time(), time.perf_counter()

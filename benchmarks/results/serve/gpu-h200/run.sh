@@ -10,7 +10,7 @@
 # Then, alone, the equal-batch part: 16 requests x 256 tokens through the engine under each policy and through padded
 # model.generate.
 #
-#   PY=python3 DATA_DIR=../shared/data bash benchmarks/results/serve/gpu-h200/run.sh
+#   PY=python3 bash benchmarks/results/serve/gpu-h200/run.sh
 # (MODEL, DEVICE, TOKENS, BLOCKS, REQUESTS, EQ_BATCH, EQ_TOKENS, OUT_DIR override the settings, for a smoke run.)
 set -uo pipefail
 cd "$(dirname "$0")/../../../.."
