@@ -28,7 +28,8 @@ def register(sub) -> None:
                                    "Several processes may share OUT: each cell runs once (claimed under a lock). "
                                    "Progress: a bar on a terminal, a plain line every 20 s otherwise "
                                    "($EPIKV_PROGRESS_SECONDS).")
-    p.add_argument("--dataset", required=True, help="math500 | aime2024 | aime2025 | gsm8k (shipped with epikv) | hf:NAME (from the hub) | PATH.jsonl")
+    p.add_argument("--dataset", required=True,
+                   help="math500 | aime2024 | aime2025 | gsm8k (shipped with epikv) | hf:NAME (from the hub) | PATH.jsonl")
     p.add_argument("--data-dir", default=None,
                    help="folder with local copies of the named datasets (default: $EPIKV_DATA_DIR, else the copy shipped with epikv)")
     p.add_argument("--protocol", choices=["paper", "r1"], default="paper")
