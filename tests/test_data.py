@@ -68,17 +68,22 @@ def test_data_dir_overrides_the_shipped_copy(tmp_path, monkeypatch):
 def test_sources_describe_every_shipped_file():
     """SOURCES.md ships beside the data and its table names each file with its row count and an MIT licence.
     Mutant: a row dropped from a shipped file (or a file added without its line in SOURCES.md) fails here."""
-    table = {}
+    table, repos = {}, set()
     for line in (SHIPPED / "SOURCES.md").read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[0].endswith(".jsonl"):
             table[cells[0]] = (int(cells[1]), cells[4])
+            repos.add(cells[2].split(" @ ")[0])
     shipped = sorted(p.name for p in SHIPPED.glob("*.jsonl"))
     assert sorted(table) == shipped == sorted(ROWS)
     for name, (rows, licence) in table.items():
         assert len(_raw(name)) == rows == ROWS[name], name
         assert "MIT" in licence, name
     assert {i.file for i in DATASETS.values()} | set(TRACES.values()) == set(shipped)
+    # MIT asks for its notice with every copy: each source repository's notice is in LICENSES.md
+    notices = (SHIPPED / "LICENSES.md").read_text(encoding="utf-8").split("\n## ")[1:]
+    assert repos and {n.split(": ", 1)[1].split(" (")[0] for n in notices} == repos
+    assert all("Permission is hereby granted" in n and "Copyright (c)" in n for n in notices)
 
 
 def test_installed_wheel_finds_its_data_without_shared(tmp_path):
@@ -96,7 +101,7 @@ def test_installed_wheel_finds_its_data_without_shared(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("epikv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"epikv/datasets/{n}" for n in [*ROWS, "SOURCES.md"]} <= set(names)
+    assert {f"epikv/datasets/{n}" for n in [*ROWS, "SOURCES.md", "LICENSES.md"]} <= set(names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     cwd = tmp_path / "elsewhere" / "run"
