@@ -1,6 +1,7 @@
-"""Ctrl-C and the Python capture callback (issue 46): a real SIGINT sent while llama.cpp decodes reaches the caller as
-one KeyboardInterrupt after the step, with the step whole; an exception kept by the callback is raised by the first
-reader of the forward's rows, queries / keys / values included.
+"""Ctrl-C and the capture callbacks (issue 46; the C callback, issue 55 item 10): a real SIGINT sent while llama.cpp
+decodes reaches the caller as one KeyboardInterrupt after the step, with the step whole (llama.cpp's cells, the
+sequence's tokens and the mirror agree, and the next step runs); an exception kept by the Python callback is raised by
+the first reader of the forward's rows, queries / keys / values included.
 
 llama-cpp-python is required (the README's test command installs it); these tests fail, never skip, without it."""
 
@@ -29,8 +30,9 @@ def gm():
     return load_gguf("smollm2")
 
 
+@pytest.mark.parametrize("capture", ["python", "c"])
 @pytest.mark.parametrize("policy", ["epikv", "epikv-seg-q"])  # block outputs; rotated queries and keys
-def test_a_real_sigint_during_decodes_is_raised_once_after_the_step(gm, policy, monkeypatch):
+def test_a_real_sigint_during_decodes_is_raised_once_after_the_step(gm, policy, capture, monkeypatch):
     """A timer thread sends SIGINT (os.kill) at a random moment of a run of decode steps, TRIES times. Each time
     exactly one KeyboardInterrupt reaches the caller; when the signal arrived inside llama_decode, it is raised after
     that decode returned and the step was recorded (the sequence has every token it was fed, its mirror equals
@@ -53,8 +55,8 @@ def test_a_real_sigint_during_decodes_is_raised_once_after_the_step(gm, policy, 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     escaped = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: escaped.append(u.exc_type))
-    dec = LlamaDecoder(gm, policy, 1024, max_tokens=1200, threads=1, capture="python")
-    assert dec.capture.method == "python"
+    dec = LlamaDecoder(gm, policy, 1024, max_tokens=1200, threads=1, capture=capture)
+    assert dec.capture.method == capture
     logits = dec.prefill(list(range(300, 316)))
     rng = random.Random(0)
     inside = 0
@@ -90,6 +92,45 @@ def test_a_real_sigint_during_decodes_is_raised_once_after_the_step(gm, policy, 
         logits = dec.step(int(np.argmax(logits)))  # the next step runs clean
         assert dec.seen == fed
     assert inside >= TRIES // 2, f"only {inside} of {TRIES} signals arrived inside llama_decode"
+
+
+@pytest.mark.parametrize("policy", ["epikv", "epikv-seg-q"])
+def test_ctrl_c_during_a_c_callback_decode_leaves_the_step_whole(gm, policy, monkeypatch):
+    """SIGINT sent as llama_decode returns, with the C capture callback (which runs no Python, so Python sees a signal
+    that arrived during the decode only then), every fifth step of a run that evicts: one KeyboardInterrupt each
+    time, after the step; the sequence counts the token, llama.cpp holds exactly its cells, the mirror equals them,
+    and the next step succeeds (unheld, the step was lost: one cell more than tokens, then status -1)."""
+    from epikv.llamacpp import LlamaDecoder, lib
+
+    ll = lib.load().ll
+    real, armed = ll.llama_decode, []
+
+    def interrupted(ctx, batch):
+        rc = real(ctx, batch)
+        if armed:
+            os.kill(os.getpid(), signal.SIGINT)
+        return rc
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    dec = LlamaDecoder(gm, policy, 32, 8, max_tokens=120, threads=1, capture="c")
+    assert dec.capture.method == "c"
+    dec.prefill(list(range(300, 316)))
+    monkeypatch.setattr(ll, "llama_decode", interrupted)
+    interrupts = 0
+    for i in range(60):
+        fed = dec.seen
+        armed[:] = [1] if i % 5 == 0 else []
+        try:
+            dec.step(400 + i)
+            raised = False
+        except KeyboardInterrupt:
+            raised = True
+        assert raised == bool(armed), f"step {i}: KeyboardInterrupt {raised}, signal sent {bool(armed)}"
+        interrupts += raised
+        assert dec.seen == fed + 1, f"step {i}: the interrupted step was not recorded"
+        assert dec.stored() == dec.cell_count(), f"step {i}: {dec.stored()} tokens, {dec.cell_count()} cells"
+        dec._check_mirror()
+    assert interrupts == 12 and dec.evictions > 0
 
 
 def test_the_stored_callback_error_is_raised_by_attn_rows(gm, monkeypatch):

@@ -12,14 +12,17 @@ Targets, per KV head g (the query heads sharing it, GQA) and token i, over the l
 
 Tokens without a later query (the last) and the first token (the attention sink, kept by every policy with the
 prompt) are left out. The fit is Ridge on standardised features, closed form in float64 from running sums (so a run
-is resumable: the sums and the texts done are saved to `<out>.partial.pt` every `save_every` seconds and on
-interrupt, and a rerun continues; both targets are summed in one pass, so a second target costs no second run).
+is resumable: the sums of the whole texts done, and their ids, are saved to `<out>.partial.pt` every `save_every`
+seconds and on interrupt, atomically, and a rerun continues to the same sums an uninterrupted run reaches; both
+targets are summed in one pass, so a second target costs no second run). The checkpoint holds tensors, strings and
+numbers only and is read with `torch.load(weights_only=True)`, then checked, before any of it is used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .errors import EpiKVError
+from .interrupts import interrupts_held
 from .policies.learned import LearnedWeights, feature_block
 
 TARGETS = ("kvzap", "mean")
@@ -202,6 +206,52 @@ def layer_run(model, ids: torch.Tensor):
     return res
 
 
+def write_checkpoint(path: Path, state: dict) -> None:
+    """Write a resume file atomically: a temporary file beside it, synced, then renamed over it (an interrupt or a
+    crash leaves the previous checkpoint or the new one, never a torn file)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _same_layout(got, want) -> bool:
+    """Whether a loaded sums state has the keys, dtypes and shapes of a fresh one."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_same_layout(got[k], want[k]) for k in want)
+    return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+
+
+def load_checkpoint(path: Path, config: dict, sums: RidgeSums) -> tuple[list[str], int]:
+    """Load a resume file into `sums`; returns (ids of the texts done, tokens summed). It is unpickled with
+    weights_only=True (tensors, containers, strings and numbers: a crafted file runs no code) and checked whole
+    before any of it is used; anything else is refused in one line."""
+    refuse = f"calibrate: {path} is not a checkpoint of epikv calibrate"
+    try:
+        st = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise EpiKVError(f"{refuse} (it cannot be read with torch.load(weights_only=True): "
+                         f"{type(e).__name__}): delete it to start over") from None
+    if not isinstance(st, dict) or set(st) != {"config", "sums", "done", "tokens"}:
+        raise EpiKVError(f"{refuse} (not its dict of config, sums, done, tokens): delete it to start over")
+    if st["config"] != config:
+        raise EpiKVError(f"calibrate: {path} is from another model, text set or max_tokens: delete it or give the "
+                         "same settings")
+    done, tokens = st["done"], st["tokens"]
+    if (not _same_layout(st["sums"], sums.state()) or not isinstance(done, list)
+            or not all(isinstance(d, str) for d in done) or type(tokens) is not int or tokens < 0):
+        raise EpiKVError(f"{refuse} (its sums, texts done or token count are not of this model's shape and "
+                         "type): delete it to start over")
+    sums.load(st["sums"])
+    return list(done), tokens
+
+
 def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, target: str = "kvzap",
               max_tokens: int = 512, ridge: float = 1e-3, model_name: str = "", save_every: float = 60.0,
               progress=None) -> tuple[LearnedWeights, dict]:
@@ -217,19 +267,12 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
     done: list[str] = []
     tokens = 0
     if partial.exists():
-        st = torch.load(partial, weights_only=False)
-        if st.get("config") != config:
-            raise EpiKVError(f"calibrate: {partial} is from another model, text set or max_tokens: delete it or "
-                             "give the same settings")
-        sums.load(st["sums"])
-        done, tokens = list(st["done"]), int(st["tokens"])
+        done, tokens = load_checkpoint(partial, config, sums)
     t0 = time.monotonic()
     last_save = t0
 
     def save():
-        tmp = partial.with_suffix(".tmp")
-        torch.save({"config": config, "sums": sums.state(), "done": done, "tokens": tokens}, tmp)
-        tmp.replace(partial)
+        write_checkpoint(partial, {"config": config, "sums": sums.state(), "done": done, "tokens": tokens})
 
     if progress is not None:
         progress.skip(len(done))
@@ -241,11 +284,17 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
             if ids.shape[1] < 3:
                 done.append(tid)
                 continue
-            for l, (x, attn, vals, wo) in enumerate(layer_run(model, ids)):
+            rows = []  # the text's features and targets of every layer, added to the sums only once all are read
+            for x, attn, vals, wo in layer_run(model, ids):
                 ys = attention_targets(attn, vals, wo)
-                sums.add(l, x[1:-1], {k: v[:, 1:].T for k, v in ys.items()})  # tokens 1 .. T-2
-            tokens += ids.shape[1] - 2
-            done.append(tid)
+                rows.append((x[1:-1], {k: v[:, 1:].T for k, v in ys.items()}))  # tokens 1 .. T-2
+            # a text counts whole or not at all: Ctrl-C here would leave some layers' sums with it and others
+            # without, and a checkpoint of them would resume to another fit
+            with interrupts_held():
+                for l, (x, ys) in enumerate(rows):
+                    sums.add(l, x, ys)
+                tokens += ids.shape[1] - 2
+                done.append(tid)
             if progress is not None:
                 progress.update(1)
             if time.monotonic() - last_save >= save_every:

@@ -16,16 +16,13 @@ the ask is a prefix test.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,32 +133,6 @@ def build_c(force: bool = False) -> Path | None:
         return None
     os.replace(tmp, out)
     return out
-
-
-@contextlib.contextmanager
-def interrupts_held(active: bool = True):
-    """Hold SIGINT (Ctrl-C) while llama.cpp may call the Python capture callback, and deliver it once the body is
-    done. Python runs a signal handler at the next bytecode of the main thread, which during llama_decode is the
-    entry of a callback, before its `try`: the KeyboardInterrupt would escape into ctypes (which prints it and answers
-    false), ggml would stop the graph half-way or skip a node, and the interrupt would be lost. Here the handler only
-    notes the signal; the previous handler gets it after the body (default: KeyboardInterrupt, raised once). A no-op
-    off the main thread (the server's engine thread), where Python never runs signal handlers, and when not active
-    (the C callback runs no Python)."""
-    if not active or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            if callable(previous):  # signal.default_int_handler raises KeyboardInterrupt
-                previous(signal.SIGINT, caught[0])
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
-            # SIG_IGN (or a handler set outside Python): ignored, as it would have been
 
 
 class LayerRows(Mapping):
@@ -299,11 +270,6 @@ class BlockCapture:
         self.error = None
         for i in range(self.struct.n):
             self.struct.got[i] = 0
-
-    def held(self):
-        """interrupts_held for this capture: active only for the Python callback. Wrap the decode and the reading
-        of its rows, so an interrupt leaves the sequence as after a whole step."""
-        return interrupts_held(self.method == "python")
 
     def _raise_error(self) -> None:
         """An exception kept by the Python callback: the forward's outputs cannot be trusted."""

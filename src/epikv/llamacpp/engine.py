@@ -17,7 +17,6 @@ the budget by removing the policy's evicted tokens with `llama_memory_seq_rm`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from types import SimpleNamespace
 from typing import Iterable, Sequence
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import EpiKVError
+from ..interrupts import interrupts_held
 from ..policies import DEFAULT_POLICY, Policy, get_policy
 from ..signals import check_layers
 from . import lib
@@ -178,7 +178,7 @@ def probe_context(gm: GGUFModel, ctx, cap: BlockCapture | None) -> CellCounter |
             b.n_tokens = 1
             b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = tok, pos, 1, 1
             b.seq_id[0][0] = 0
-            with cap.held() if cap is not None else contextlib.nullcontext():
+            with interrupts_held():  # as a step (LlamaDecoder._feed)
                 if cap is not None:
                     cap.reset()
                 rc = ll.llama_decode(ctx, b)
@@ -265,8 +265,12 @@ class LlamaDecoder(SequenceCache):
             b.seq_id[j][0] = self.seq
             b.logits[j] = 1 if (all_logits or self.all_outputs or j == t - 1) else 0
         cap = self.capture
-        # Ctrl-C during the decode reaches the caller after the step is recorded (capture.interrupts_held)
-        with cap.held() if cap is not None else contextlib.nullcontext():
+        # Ctrl-C is held across the whole step and raised after it is recorded, whichever capture callback runs.
+        # Unheld, Python runs the handler at its first bytecode after llama_decode returns (C callback, or none) and
+        # the step is lost: llama.cpp holds a cell the sequence never recorded, and the next decode, at a position
+        # it already has, fails. With the Python callback the handler would run at a callback's entry, before its
+        # `try`, and the KeyboardInterrupt would escape into ctypes: ggml would skip the node or stop the graph.
+        with interrupts_held():
             if cap is not None:
                 cap.reset()
             rc = ll.llama_decode(self.ctx, b)
