@@ -23,14 +23,16 @@ def register(sub) -> None:
     fmt.add_argument("--chat", action="store_true",
                      help="the chat template (the default already; kept for compatibility; refused without one)")
     p.add_argument("--system", default=None, help="system prompt of the chat template (refused with --raw)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
+                   help="stop after this many new tokens (default 256)")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=nonneg_float, default=1.0)
-    p.add_argument("--top-k", type=nonneg_int, default=0)
+    p.add_argument("--top-p", type=nonneg_float, default=1.0,
+                   help="nucleus sampling: sample from the smallest set of tokens holding this probability (1 = off)")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the k likeliest tokens only (0 = off)")
     p.add_argument("--min-p", type=nonneg_float, default=0.0, help="min-p filter in [0, 1] (0 = off)")
     p.add_argument("--repetition-penalty", type=nonneg_float, default=1.0,
                    help="penalty > 0 on tokens already in the prompt or output (1 = off; greedy too)")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0; greedy ignores it)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, help="prefill in chunks of this many tokens")
     p.add_argument("--json", action="store_true", help="print only one JSON object")
