@@ -190,7 +190,7 @@ def test_trace_views(capsys, tmp_path):
     html, png = tmp_path / "t.html", tmp_path / "t.png"
     code, out, _ = run_cli(capsys, "trace", "--model", "random:tiny", "--prompt", "Question: what is 2+2?",
                            "--completion", " Let me think. Two plus two is four. So the answer is 4." * 3,
-                           "--budget", "24", "--html", str(html), "--png", str(png))
+                           "--budget", "24", "--policy", "epikv", "--html", str(html), "--png", str(png))
     assert code == 0 and "evicted" in out
     text = html.read_text()
     assert text.count("<span") > 40 and "line-through" in text
@@ -334,12 +334,6 @@ def test_trace_colours_come_from_the_evicting_pass(tiny, tau):
     # the case matters: without eviction the later tokens get other scores
     assert max(abs(a - b) for a, b in zip(evicting, never)) > 1e-3
     assert tr.scores != pytest.approx(never, abs=1e-6)
-
-
-def test_trace_refuses_a_policy_without_per_token_scores(capsys):
-    line = run_bad(capsys, "trace", "--model", "random:tiny", "--prompt", "Q", "--completion", " a b c",
-                   "--policy", "h2o")
-    assert "no per-token score to trace" in line
 
 
 def test_generate_applies_the_chat_template_by_default(capsys, monkeypatch, smollm2):
