@@ -7,8 +7,8 @@ import sys
 
 from ..errors import EpiKVError
 from .engines import add_engine_args, make_engine
-from .common import (add_model_args, add_policy_args, nonneg_float, nonneg_int, positive_int, read_text,
-                     settings_by_policy)
+from .common import (add_model_args, add_policy_args, hybrid_policy, nonneg_float, nonneg_int, positive_int,
+                     read_text, settings_by_policy)
 
 
 def register(sub) -> None:
@@ -66,8 +66,13 @@ def run(args) -> int:
         raise EpiKVError("--system needs the chat template, which --raw turns off")
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-    settings = settings_by_policy(args, [args.policy])[args.policy]
+    settings = settings_by_policy(args, [args.policy])[args.policy]  # refused before the model loads
     eng = make_engine(args)
+    if eng.name == "torch":
+        named = args.policy
+        hybrid_policy(args, eng.lm.model)  # a sliding-window model: the default may fall back (one warning line)
+        if args.policy != named:
+            settings = settings_by_policy(args, [args.policy])[args.policy]
     # the chat template by default, as transformers' chat tools do: an instruct model fed raw text often ends at once
     chat = not args.raw and bool(getattr(eng.tokenizer, "chat_template", None))
     if not chat and not args.raw and (args.chat or args.system is not None):

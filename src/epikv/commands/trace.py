@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, out_file, read_text, settings_by_policy
+from .common import add_model_args, add_policy_args, hybrid_policy, load, out_file, read_text, settings_by_policy
 
 
 def png_file(text: str) -> str:
@@ -62,6 +62,10 @@ def run(args) -> int:
         raise EpiKVError("empty completion: nothing to trace")
     settings = settings_by_policy(args, [args.policy])[args.policy]
     lm = load(args)
+    named = args.policy
+    hybrid_policy(args, lm.model)  # a sliding-window model: the default may fall back (one warning line)
+    if args.policy != named:
+        settings = settings_by_policy(args, [args.policy])[args.policy]
     tok = lm.tokenizer
     p_ids = tok(prompt, add_special_tokens=True)["input_ids"]
     c_ids = tok(completion, add_special_tokens=False)["input_ids"]
