@@ -3,6 +3,7 @@
 the full model over the whole sequence under per-layer-type 4D masks: full-attention layers see exactly what the
 cache held, sliding layers their true window (Gemma-3 takes a dict of masks by layer type)."""
 
+import json
 import types
 from dataclasses import dataclass
 
@@ -318,3 +319,73 @@ def test_qwen2_use_sliding_window_false_means_no_sliding_layers():
                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=300)).eval()
     m.config.sliding_window, m.config.layer_types = 16, None
     assert EpiKVCache(m, "epikv", budget=32).is_sliding == [False] * 4  # an evicting cache, no sliding layer
+
+
+# -- the CLI on a hybrid model (issue 55, item 13) ---------------------------------------------------------------------
+def _cli(capsys, *argv):
+    from epikv.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, [l for l in err.splitlines() if l.strip()]
+
+
+GEN = ["generate", "--model", "random:tiny-gemma3", "--prompt", "Hello there", "--raw", "--max-new-tokens", "20",
+       "--budget", "12", "--json"]
+
+
+def test_cli_default_policy_falls_back_on_a_hybrid_model(capsys):
+    """No --policy on a sliding-window model: the default (epikv-seg-q, refused there: it reads recomputed queries)
+    gives way to streaming with one warning line saying so, and the run evicts. Pre-fix: exit 2, a refusal with no
+    hint. Mutant: hybrid_policy refusing whether or not --policy was given fails here."""
+    from epikv.commands.common import HYBRID_FALLBACK
+    from epikv.policies import DEFAULT_POLICY
+
+    code, out, err = _cli(capsys, *GEN)
+    assert code == 0, err
+    assert len(err) == 1 and "warning" in err[0] and DEFAULT_POLICY in err[0] and HYBRID_FALLBACK in err[0], err
+    d = json.loads(out)
+    assert d["policy"] == HYBRID_FALLBACK and d["evictions"] > 0
+
+
+def test_cli_named_policy_refused_on_a_hybrid_model_lists_what_runs(capsys):
+    """A policy the user named that cannot run there is refused (exit 2, one line) with the policies that do; the
+    list holds exactly those the cache accepts on this model. Mutant: falling back for a named policy too exits 0."""
+    from epikv.policies import REGISTRY
+
+    code, out, err = _cli(capsys, *GEN, "--policy", "epikv-seg-q")
+    assert code == 2 and not out and len(err) == 1 and "Traceback" not in err[0], err
+    listed = err[0].split("on this model run one of: ")[1].split(", ")
+    m = load_model("random:tiny-gemma3").model
+    runs = []
+    for name in REGISTRY:
+        try:
+            EpiKVCache(m, name, budget=12)
+            runs.append(name)
+        except EpiKVError:
+            pass
+    assert listed == runs and "streaming" in listed and "epikv-seg-q" not in listed
+
+
+def test_cli_default_policy_unchanged_on_a_full_attention_model(capsys):
+    """No fallback and no warning where the default runs. Mutant: falling back on every model fails here."""
+    from epikv.policies import DEFAULT_POLICY
+
+    code, out, err = _cli(capsys, *GEN[:2], "random:tiny", *GEN[3:])
+    assert code == 0 and not err, err
+    assert json.loads(out)["policy"] == DEFAULT_POLICY
+
+
+def test_cli_trace_falls_back_on_a_hybrid_model(capsys):
+    code, out, err = _cli(capsys, "trace", "--model", "random:tiny-gemma3", "--prompt", "Q: what", "--completion",
+                          " a b c d e f g h i j k l m n o p" * 2, "--budget", "12")
+    assert code == 0 and len(err) == 1 and "streaming" in err[0] and "streaming at K=12" in out, (out, err)
+
+
+def test_cli_named_policy_that_runs_on_a_hybrid_model_runs_as_named(capsys):
+    """Mutant: dropping `if why is None: return` in hybrid_policy refuses even a policy that runs there."""
+    code, out, err = _cli(capsys, *GEN, "--policy", "epikv")
+    assert code == 0 and not err and json.loads(out)["policy"] == "epikv", err

@@ -23,7 +23,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = Parser(prog="epikv", description="Attention-free KV cache eviction for long reasoning traces (EPIKV).")
+    parser.add_argument("--version", action="version", version=f"epikv {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name in COMMANDS:
@@ -51,6 +55,11 @@ def _one_line_context_warnings(command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        # bare `epikv`: the help on stdout (readable through a pager), and exit 2 as argparse does for a missing
+        # command, so a script that forgot its command still fails
+        parser.print_help()
+        return 2
     args = parser.parse_args(argv)  # --help and bad arguments end here, before transformers is imported
     if args.command not in QUICK:
         from transformers.utils import logging as hf_logging
@@ -68,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"epikv {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `epikv policies | head`: the reader left; no error, and no second one at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (OSError, RuntimeError, ValueError) as e:  # e.g. out of memory, unreadable file
         if os.environ.get("EPIKV_DEBUG"):
             raise

@@ -22,8 +22,9 @@ def register(sub) -> None:
                           "per row")
     lab.add_argument("--label", choices=("nll", "flip"), default="nll",
                      help="nll: answer NLL increase (continuous, default); flip: regenerated answer changes")
-    lab.add_argument("--window", type=positive_int, default=32)
-    lab.add_argument("--stride", type=positive_int, default=16)
+    lab.add_argument("--window", type=positive_int, default=32, help="tokens occluded at once (default 32)")
+    lab.add_argument("--stride", type=positive_int, default=16,
+                     help="tokens between occluded windows (default 16; at most --window)")
     lab.add_argument("--filler", choices=("eos", "pad", "random"), default="eos",
                      help="occluding token: eos (default), pad (refused when the pad token is EOS, as in SmolLM2), "
                           "random (seeded random ids)")
@@ -46,7 +47,7 @@ def register(sub) -> None:
     pro.add_argument("--labels", required=True, help="folder written by `epikv anatomy label`")
     pro.add_argument("--smooth", type=positive_int, default=64, help="trailing mean of g_l (tokens)")
     pro.add_argument("--bootstrap", type=nonneg_int, default=1000, help="cluster-bootstrap resamples over traces")
-    pro.add_argument("--seed", type=nonneg_int, default=0)
+    pro.add_argument("--seed", type=nonneg_int, default=0, help="bootstrap seed (default 0)")
     pro.add_argument("--out", required=True, type=out_dir, help="output folder: profile.json, profile.png")
     add_model_args(pro)
     _threads(pro)

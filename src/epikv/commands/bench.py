@@ -41,7 +41,7 @@ def register(sub) -> None:
                         "cache length (timed in the same rounds; on by default when full is benchmarked)")
     s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB; default 6)")
     add_engine_args(s)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
     s.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
     s.set_defaults(run=run_speed, policies=None, budgets=[512])
@@ -50,12 +50,15 @@ def register(sub) -> None:
                         description="Peak memory (or OOM / over-cap) of one forward pass over n tokens: eager + "
                                     "attention weights of every layer against SDPA + hidden states at two blocks.")
     add_model_args(m)
-    m.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192, 16384, 32768, 65536])
-    m.add_argument("--modes", type=name_list, default=["eager+attn", "sdpa+hidden"])
+    m.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192, 16384, 32768, 65536],
+                   help="comma-separated token counts of the forward pass (default 2048 ... 65536, doubling)")
+    m.add_argument("--modes", type=name_list, default=["eager+attn", "sdpa+hidden"],
+                   help="comma-separated: eager+attn (eager attention, weights of every layer), sdpa+hidden (SDPA, "
+                        "hidden states at two blocks); default both")
     m.add_argument("--cap-gib", type=nonneg_float, default=None,
                    help="memory cap per point (required on CPU; on CUDA a point above it is reported over-cap)")
     m.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads in each child")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="seed of the random input tokens (default 0)")
     m.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
     m.set_defaults(run=run_memory)

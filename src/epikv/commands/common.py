@@ -277,7 +277,7 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
         g.add_argument("--budgets", type=int_list, default=[1024], action=_Given,
                        help="comma-separated cache budgets K")
     else:
-        g.add_argument("--policy", default=None if by_engine else DEFAULT_POLICY,
+        g.add_argument("--policy", default=None if by_engine else DEFAULT_POLICY, action=_Given,
                        help=f"one of: {', '.join(policy_names())}"
                             + ("" if own_default else f" ({default_policy_help(by_engine)})"))
         g.add_argument("--budget", type=positive_int, default=1024, action=_Given,
@@ -298,6 +298,48 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
                         "its bands: epikv-band)")
     g.add_argument("--set", type=policy_setting, action="append", default=[], metavar="POLICY.SETTING=VALUE",
                    help="any other policy setting, e.g. lagkv.lag=128 (repeatable; see `epikv policies --json`)")
+
+
+# What a model with sliding-window layers (Gemma-3, GPT-OSS, Ministral) runs when no policy is named and the default
+# cannot run there: streaming, as good as the default within the intervals of the whole-trace retention run
+# (docs/choosing.md: -0.022 / -0.029 / -0.003 nats/token against random at K = 512 / 1024 / 2048, the default's
+# -0.002 / -0.024 / -0.006) and run by every engine, hybrid models included.
+HYBRID_FALLBACK = "streaming"
+
+
+def hybrid_policy(args: argparse.Namespace, model) -> None:
+    """On a model mixing sliding-window and full-attention layers, a policy the cache refuses there: the default
+    (--policy not given) falls back to HYBRID_FALLBACK with one warning line; a policy the user named is refused in
+    one line that lists the policies that run on this model. Sets args.policy; a model without sliding-window layers
+    (or with nothing but them: the cache's own refusal) is left to the cache."""
+    import re
+
+    from ..hooks import _check_hybrid_policy, attention_layout, decoder_layers
+    from ..policies import REGISTRY, get_policy
+
+    n = len(decoder_layers(model))
+    sliding, _ = attention_layout(model, n)
+    if not sliding or len(sliding) == n:
+        return
+
+    def refusal(pol) -> str | None:
+        try:
+            _check_hybrid_policy(pol, pol.observes(n), n)
+        except EpiKVError as e:
+            return str(e)
+        return None
+
+    why = refusal(get_policy(args.policy))
+    if why is None:
+        return
+    runs = [name for name, cls in REGISTRY.items() if refusal(cls()) is None]
+    if "policy" in (getattr(args, "given", None) or set()):
+        raise EpiKVError(f"{why}; on this model run one of: {', '.join(runs)}")
+    m = re.match(rf"policy {re.escape(args.policy)} (.*?), which is not supported", why)
+    warn(args, f"the default policy {args.policy} does not run on a model with sliding-window layers"
+               f"{' (it ' + m.group(1) + ')' if m else ''}: running {HYBRID_FALLBACK} instead, the best measured "
+               "policy that does (docs/choosing.md); --policy chooses another")
+    args.policy = HYBRID_FALLBACK
 
 
 def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:

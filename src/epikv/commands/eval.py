@@ -32,7 +32,8 @@ def register(sub) -> None:
                    help="math500 | aime2024 | aime2025 | gsm8k (shipped with epikv) | hf:NAME (from the hub) | PATH.jsonl")
     p.add_argument("--data-dir", default=None,
                    help="folder with local copies of the named datasets (default: $EPIKV_DATA_DIR, else the copy shipped with epikv)")
-    p.add_argument("--protocol", choices=["paper", "r1"], default="paper")
+    p.add_argument("--protocol", choices=["paper", "r1"], default="paper",
+                   help="paper: system prompt, greedy, 8192 / 16384 token caps (default); r1: <think> prompt, sampled")
     p.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
     p.add_argument("--samples", type=positive_int, default=1, help="samples per problem (r1 protocol: pass@1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
@@ -46,7 +47,8 @@ def register(sub) -> None:
                    help="batch sampled sequences too (faster on a GPU; a sample may then change with its batch mates)")
     p.add_argument("--out", required=True, type=out_dir, help="output directory (config.json + records*.jsonl)")
     p.add_argument("--shard", type=shard_arg, default=None, help="run only shard i of n (0-based), e.g. 0/4")
-    p.add_argument("--executor", choices=["local", "ray"], default="local")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="local: cells run in this process (default); ray: spread over a Ray cluster")
     p.add_argument("--workers", type=positive_int, default=None, help="Ray workers (default: one per CPU/GPU)")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local instance)")
     p.add_argument("--gpus-per-worker", type=float, default=None, help="default 1 when --device is cuda, else 0")

@@ -7,8 +7,8 @@ import sys
 
 from ..errors import EpiKVError
 from .engines import add_engine_args, make_engine
-from .common import (add_model_args, add_policy_args, nonneg_float, nonneg_int, positive_int, read_text,
-                     settings_by_policy)
+from .common import (add_model_args, add_policy_args, hybrid_policy, nonneg_float, nonneg_int, positive_int,
+                     read_text, settings_by_policy)
 
 
 def register(sub) -> None:
@@ -23,14 +23,16 @@ def register(sub) -> None:
     fmt.add_argument("--chat", action="store_true",
                      help="the chat template (the default already; kept for compatibility; refused without one)")
     p.add_argument("--system", default=None, help="system prompt of the chat template (refused with --raw)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
+                   help="stop after this many new tokens (default 256)")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=nonneg_float, default=1.0)
-    p.add_argument("--top-k", type=nonneg_int, default=0)
+    p.add_argument("--top-p", type=nonneg_float, default=1.0,
+                   help="nucleus sampling: sample from the smallest set of tokens holding this probability (1 = off)")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the k likeliest tokens only (0 = off)")
     p.add_argument("--min-p", type=nonneg_float, default=0.0, help="min-p filter in [0, 1] (0 = off)")
     p.add_argument("--repetition-penalty", type=nonneg_float, default=1.0,
                    help="penalty > 0 on tokens already in the prompt or output (1 = off; greedy too)")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0; greedy ignores it)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, help="prefill in chunks of this many tokens")
     p.add_argument("--json", action="store_true", help="print only one JSON object")
@@ -64,8 +66,13 @@ def run(args) -> int:
         raise EpiKVError("--system needs the chat template, which --raw turns off")
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-    settings = settings_by_policy(args, [args.policy])[args.policy]
+    settings = settings_by_policy(args, [args.policy])[args.policy]  # refused before the model loads
     eng = make_engine(args)
+    if eng.name == "torch":
+        named = args.policy
+        hybrid_policy(args, eng.lm.model)  # a sliding-window model: the default may fall back (one warning line)
+        if args.policy != named:
+            settings = settings_by_policy(args, [args.policy])[args.policy]
     # the chat template by default, as transformers' chat tools do: an instruct model fed raw text often ends at once
     chat = not args.raw and bool(getattr(eng.tokenizer, "chat_template", None))
     if not chat and not args.raw and (args.chat or args.system is not None):

@@ -1,11 +1,12 @@
-"""`epikv trace`: the per-token EPIKV score over a text, with the tokens evicted at a budget marked."""
+"""`epikv trace`: a policy's per-token score over a text (or, without one, its keep set over time), with the tokens
+evicted at a budget marked."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, load, out_file, read_text, settings_by_policy
+from .common import add_model_args, add_policy_args, hybrid_policy, load, out_file, read_text, settings_by_policy
 
 
 def png_file(text: str) -> str:
@@ -20,8 +21,11 @@ def png_file(text: str) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("trace", help="show per-token scores and evictions over a text",
-                       description="Stream a text once under an EPIKV-family policy at --budget and show the score "
-                                   "each token got on arrival in that pass, and which tokens it evicted.")
+                       description="Stream a text once under a policy at --budget and show which tokens it evicted, "
+                                   "coloured by the score each token got on arrival in that pass (the EPIKV family) "
+                                   "or, for a policy that gives none (epikv-seg-q, streaming, h2o ...), by how long "
+                                   "each stayed cached; --png then plots the keep set over time. Policies that never "
+                                   "evict or keep per head or layer are refused.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file", help="a text file (its first line is treated as the prompt)")
     src.add_argument("--prompt", help="the prompt (protected); use with --completion")
@@ -30,14 +34,17 @@ def register(sub) -> None:
     p.add_argument("--html", type=out_file, help="write an HTML view here")
     p.add_argument("--png", type=png_file, help="write a PNG plot here (a .png file)")
     add_model_args(p)
-    add_policy_args(p, own_default=True)
-    # its own default: the trace shows the score a token gets on arrival, and epikv-seg-q (the default elsewhere)
-    # evicts by a query relevance computed at eviction time, which no arrival score shows
-    p.set_defaults(run=run, budget=256, policy="epikv")
+    add_policy_args(p)
+    p.set_defaults(run=run, budget=256)
 
 
 def run(args) -> int:
-    from ..trace import render_html, render_png, render_terminal, trace_scores
+    from ..policies import policy_class
+    from ..trace import render_html, render_png, render_terminal, trace_scores, traceable, traceable_names
+
+    why = traceable(policy_class(args.policy))  # refused before the model loads
+    if why:
+        raise EpiKVError(f"{why}; trace one of: {', '.join(traceable_names())}")
 
     if args.text_file:
         text = read_text(args.text_file)
@@ -54,18 +61,15 @@ def run(args) -> int:
     if not completion.strip():
         raise EpiKVError("empty completion: nothing to trace")
     settings = settings_by_policy(args, [args.policy])[args.policy]
-    from ..policies import REGISTRY
-    from ..policies.hidden import HiddenStatePolicy
-
-    if not issubclass(REGISTRY[args.policy], HiddenStatePolicy):
-        raise EpiKVError(f"policy {args.policy} has no per-token score to trace (it scores at eviction time); "
-                         "trace an EPIKV policy: epikv, epikv-raw, epikv-a, epikv-band")
     lm = load(args)
+    named = args.policy
+    hybrid_policy(args, lm.model)  # a sliding-window model: the default may fall back (one warning line)
+    if args.policy != named:
+        settings = settings_by_policy(args, [args.policy])[args.policy]
     tok = lm.tokenizer
     p_ids = tok(prompt, add_special_tokens=True)["input_ids"]
     c_ids = tok(completion, add_special_tokens=False)["input_ids"]
-    tr = trace_scores(lm.model, tok, p_ids, c_ids, policy=args.policy, budget=args.budget, tau=args.tau or 1,
-                      **settings)
+    tr = trace_scores(lm.model, tok, p_ids, c_ids, policy=args.policy, budget=args.budget, tau=args.tau, **settings)
     for out in (args.html, args.png):  # missing folders above an output are made (checked writable at parse)
         if out:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
