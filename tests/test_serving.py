@@ -339,7 +339,8 @@ def test_cache_bound_forwards_and_their_histogram():
     was held back by pages); the histogram's mean and median are the plain ones."""
     from types import SimpleNamespace as NS
 
-    from epikv.serving.scheduler import _mean_p50, cache_bound
+    from epikv.serving.metrics import mean_p50 as _mean_p50
+    from epikv.serving.scheduler import cache_bound
 
     fwd = [NS(query_length=1)] * 5 + [NS(query_length=40)]  # 5 decoding requests and one prefill chunk: 45 tokens
     assert cache_bound(fwd, 46, None) and cache_bound(fwd, 46, 7)

@@ -49,7 +49,8 @@ from ..policies import DEFAULT_POLICY
 from ..llamacpp.engine import KV_DTYPES, all_outputs, attn_plan, checked_policy, default_threads, make_context
 from ..llamacpp.model import GGUFModel
 from ..llamacpp.sequence import SequenceCache
-from .backend import Backend, Output, mean_p50
+from .backend import Backend, Output
+from .metrics import mean_p50
 
 KV_LAYOUTS = ("streams", "unified")
 

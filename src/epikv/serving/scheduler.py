@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ..errors import EpiKVError
-from .backend import mean_p50 as _mean_p50
 from .checks import ServeSpec, ServingUnsupported, check_internals, check_serving, probe_cache
 from .evictor import KVReader, Track
+from .metrics import mean_p50 as _mean_p50
 
 SCHEDULER_KEY = "epikv"
 RECENT_FINISHED = 256  # finished requests whose evicted-token count /stats lists (a ring: bounded on a long run)
