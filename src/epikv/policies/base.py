@@ -123,12 +123,24 @@ class Policy:
         if budget is None:
             return None
         if prot + recent > budget:
-            what = "prompt" if self.protect_prompt else "sink tokens"
-            return (f"budget {budget} is smaller than what is protected: {prot} {what} + {recent} recent tokens; "
-                    "raise the budget or shorten the prompt")
+            if self.protect_prompt:
+                return (f"budget {budget} is smaller than what is protected: {prot} prompt + {recent} recent "
+                        "tokens; raise the budget or shorten the prompt")
+            return (f"budget {budget} is smaller than what is protected: {prot} sink tokens + {recent} recent "
+                    "tokens; raise the budget or lower the recency window or n_sink")
         if self.page:  # whole pages: the pages they overlap must fit too (page_keep's own refusal, up front)
             return page_overflow(budget, self.page, prot, recent)
         return None
+
+    def for_prompt(self, budget: int | None, recent: int, prompt_len: int) -> "Policy":
+        """The policy a server runs for one prompt of prompt_len tokens: itself where its protected prompt and the
+        recency window fit the budget; else the same policy with prompt protection off, as `--no-protect-prompt`
+        (only the prompt's first n_sink tokens protected, the rest of the prompt evicted by score with the answer,
+        its newest `recent` tokens kept by the recency window), so a long prompt (multi-turn chat, RAG) is served
+        rather than refused. Its `protected_overflow` says whether even that fits (then nothing can)."""
+        if not self.evicts or not self.protect_prompt or self.protected_overflow(budget, recent, prompt_len) is None:
+            return self
+        return dataclasses.replace(self, protect_prompt=False)
 
     def describe(self, n_layers: int = 30) -> dict[str, Any]:
         """What `epikv policies` lists; `observes` for a model of n_layers blocks (30: the embedded SmolLM2), as
