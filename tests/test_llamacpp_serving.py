@@ -99,6 +99,36 @@ def test_one_sequence_at_a_time_equals_generate(gm, request):
     assert be.stats()["evictions"] > 0
 
 
+def _chat(gm, turns: int) -> list[int]:
+    """A multi-turn chat: a system prompt, `turns` question / answer pairs, and a last question."""
+    msgs = [{"role": "system", "content": "You answer questions about numbers briefly."}]
+    for i in range(turns):
+        msgs += [{"role": "user", "content": f"What is the sum of the first {i + 3} odd numbers?"},
+                 {"role": "assistant", "content": f"It is {(i + 3) ** 2}: " + " + ".join(
+                     str(2 * j + 1) for j in range(i + 3)) + "."}]
+    msgs.append({"role": "user", "content": "And of the first ten?"})
+    return list(gm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def test_prompt_over_the_budget_is_served_evicted_inside(gm, request):
+    """A prompt whose protection does not fit K = 64 (a multi-turn chat, about 150 tokens) used to be refused; it is
+    served with prompt protection off, as `--no-protect-prompt` does: alone, token for token the single-sequence
+    engine's run with protect_prompt=False. A prompt longer than the 256 cells is evicted between its prefill
+    chunks. Mutant: Policy.for_prompt returning self (the old refusal) fails both at submit."""
+    from epikv.llamacpp import generate
+
+    chat, huge = _chat(gm, 3), _chat(gm, 8)
+    assert 64 < len(chat) <= 192 < 256 < len(huge), (len(chat), len(huge))
+    be = _backend(gm, request, ctx=256, sequences=1, max_batch_tokens=192)
+    assert be.prompt_refusal(len(chat)) is None and be.prompt_refusal(len(huge)) is None
+    got = _run(be, [chat])
+    ref = generate(gm, chat, max_new_tokens=N, flash_attn=False, threads=1, protect_prompt=False, **KW)
+    assert got["0"].tokens[:len(ref.token_ids[0])] == ref.token_ids[0]
+    got = _run(be, [huge], max_tokens=8)
+    st = be.stats()
+    assert len(got["0"].tokens) == 8 and st["prompts_evicted"] == 2 and st["peak_cells"] <= 256
+
+
 def test_batched_sequences_agree_with_the_single_sequence_engine(gm, request, monkeypatch):
     """6 sequences batched together: each one's captured rows and logits match the single-sequence decoder fed the
     same tokens, within the tolerances of the module docstring."""

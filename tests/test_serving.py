@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from epikv import EpiKVError, generate, load_model
+from epikv.policies import get_policy
 from epikv.serving import ServeSpec, ServingUnsupported, check_serving, run_batch, serving_stats, start_manager
 from epikv.serving.checks import check_internals
 
@@ -222,11 +223,54 @@ def test_manager_reset_drops_state(tiny):
     assert not rt.tracks and rt.batch is None
 
 
-def test_prompt_over_budget_fails_that_request(tiny):
-    spec = ServeSpec(policy="epikv", budget=64, page=8, num_blocks=64, max_batch_tokens=32, recency=16)
-    with pytest.raises(EpiKVError) as e:
-        run_batch(tiny.model, spec, _prompts((60,)), 10)
-    assert "budget 64 is smaller than what is protected" in str(e.value) and "\n" not in str(e.value)
+def test_prompt_over_budget_is_evicted_inside_as_no_protect_prompt(tiny):
+    """Prompts whose protection does not fit K (60 + 16 recent > 64; 150; 300) are served, evicted inside as
+    `--no-protect-prompt` does: each request's tokens equal the library's batch-1 run with protect_prompt=False,
+    while a prompt that fits (30) keeps its protection. Mutant: Policy.for_prompt returning self (the old refusal)
+    fails the long ones; returning the unprotected policy always fails the short one."""
+    prompts = _prompts((30, 60, 150, 300), seed=3)
+    # every prompt whole in one forward (max_batch_tokens over their sum), as generate without prefill_chunk
+    spec = ServeSpec(policy="epikv", budget=64, page=8, num_blocks=160, max_batch_tokens=600, recency=16)
+    outs, stats = run_batch(tiny.model, spec, prompts, 40)
+    assert stats["prompts_evicted"] == 3 and stats["refused"] == 0 and stats["preemptions"] == 0
+    for p, o in zip(prompts, outs):
+        ref = generate(tiny.model, tiny.tokenizer, [p], policy="epikv", budget=64, max_new_tokens=40, page=8,
+                       recent=16, protect_prompt=len(p) + 16 <= 64)
+        assert o == ref.token_ids[0], f"prompt of {len(p)} tokens"
+
+
+def test_prompt_longer_than_the_cache_is_evicted_between_its_chunks(tiny):
+    """300 prompt tokens in a cache of 16 pages of 8 (128 slots): prefilled in chunks of max_batch_tokens = 32 and
+    evicted between them, the request never holds more than K + 32 slots, and its tokens equal the library's run
+    with protect_prompt=False and the same prefill chunks (mutant: the old refusal fails the request)."""
+    p = _prompts((300,), seed=3)
+    spec = ServeSpec(policy="epikv", budget=64, page=8, num_blocks=16, max_batch_tokens=32, recency=16)
+    (out,), stats = run_batch(tiny.model, spec, p, 40)
+    ref = generate(tiny.model, tiny.tokenizer, p, policy="epikv", budget=64, max_new_tokens=40, page=8, recent=16,
+                   protect_prompt=False, prefill_chunk=32)
+    assert out == ref.token_ids[0] and stats["prompts_evicted"] == 1
+    assert stats["peak_pages"] <= (64 + 32) // 8 and stats["evictions"] >= 7
+
+
+def test_prompt_refused_only_where_nothing_fits(tiny):
+    """The up-front refusal (the server's 400) stays where even the prompt evicted inside cannot fit, naming the
+    way out: sinks + recency over K, or a request's peak (K + tau - 1 + one prefill chunk) over the whole cache.
+    Mutant: prompt_refusal without the capacity check answers None for the 200-token prompt."""
+    from epikv.serving.scheduler import prompt_refusal
+
+    spec = ServeSpec(policy="epikv", budget=32, page=8, num_blocks=8, max_batch_tokens=64, recency=8)
+    manager = start_manager(tiny.model, spec)
+    try:
+        assert prompt_refusal(manager, 20) is None  # protected: 20 + 8 fit K = 32
+        assert prompt_refusal(manager, 60) is None  # evicted inside; holds at most its 60 tokens, in 64 slots
+        why = prompt_refusal(manager, 200)  # 32 + 64 > 64 slots of the cache
+        assert "holds up to 96 tokens" in why and "raise --num-blocks or lower --max-batch-tokens" in why
+        assert "\n" not in why
+    finally:
+        manager.stop(block=True, timeout=60)
+    pol = get_policy("epikv", recent=30, page=8)
+    assert pol.for_prompt(32, 30, 200).protected_overflow(32, 30, 200).endswith(
+        "raise the budget or lower the recency window or n_sink")
 
 
 def _one_line(fn):
@@ -339,7 +383,8 @@ def test_cache_bound_forwards_and_their_histogram():
     was held back by pages); the histogram's mean and median are the plain ones."""
     from types import SimpleNamespace as NS
 
-    from epikv.serving.scheduler import _mean_p50, cache_bound
+    from epikv.serving.metrics import mean_p50 as _mean_p50
+    from epikv.serving.scheduler import cache_bound
 
     fwd = [NS(query_length=1)] * 5 + [NS(query_length=40)]  # 5 decoding requests and one prefill chunk: 45 tokens
     assert cache_bound(fwd, 46, None) and cache_bound(fwd, 46, 7)

@@ -2,10 +2,7 @@
 
 Both papers model the queries a head will issue as a distribution in the space before the rotary embedding, where
 they stay put as the position moves (TriAttention's Q concentration, arXiv:2604.04921; Expected Attention's Gaussian,
-arXiv:2510.00636). The same moments serve two sources:
-- online: the last w queries of the sequence being generated (`window_moments`, Expected Attention's decode path);
-- offline: queries of calibration texts accumulated head by head (`QueryMomentsAccumulator`), for a command that
-  writes them to a file.
+arXiv:2510.00636). `window_moments` takes them over the last w queries of the sequence being generated.
 Channel f pairs with channel f + head_dim / 2 (transformers' rotate_half layout): `pair_magnitude` is the length of
 that 2-D component, the "frequency" a RoPE angle acts on.
 """
@@ -47,31 +44,3 @@ def window_moments(q: torch.Tensor, valid: torch.Tensor, cov: bool = True) -> Qu
         c = x.transpose(-1, -2) @ x / (n[..., None] - 1).clamp(min=1)  # [batch, heads, dim, dim]
     return QueryMoments(mean, c, pair_abs)
 
-
-class QueryMomentsAccumulator:
-    """Running sums of one model's pre-RoPE queries, layer by layer, over any number of calibration texts: feed each
-    layer's queries [heads, t, dim] with `add`, read `moments(layer)`. Sums are kept in float64."""
-
-    def __init__(self) -> None:
-        self.n: dict[int, int] = {}
-        self.s1: dict[int, torch.Tensor] = {}  # [heads, dim]
-        self.s2: dict[int, torch.Tensor] = {}  # [heads, dim, dim]
-        self.sa: dict[int, torch.Tensor] = {}  # [heads, dim // 2]
-
-    def add(self, layer: int, q: torch.Tensor) -> None:
-        q = q.double()  # [heads, t, dim]
-        if layer not in self.n:
-            self.n[layer] = 0
-            self.s1[layer] = torch.zeros(q.shape[0], q.shape[2], dtype=torch.float64, device=q.device)
-            self.s2[layer] = torch.zeros(q.shape[0], q.shape[2], q.shape[2], dtype=torch.float64, device=q.device)
-            self.sa[layer] = torch.zeros(q.shape[0], q.shape[2] // 2, dtype=torch.float64, device=q.device)
-        self.n[layer] += q.shape[1]
-        self.s1[layer] += q.sum(1)
-        self.s2[layer] += q.transpose(-1, -2) @ q
-        self.sa[layer] += pair_magnitude(q).sum(1)
-
-    def moments(self, layer: int) -> QueryMoments:
-        n = self.n[layer]
-        mean = self.s1[layer] / n
-        cov = (self.s2[layer] - n * mean[..., :, None] * mean[..., None, :]) / max(n - 1, 1)
-        return QueryMoments(mean.float(), cov.float(), (self.sa[layer] / n).float())

@@ -217,11 +217,11 @@ def _start_torch(args, lm, spec, evicts, start_manager, eos_ids):
     capacity = args.num_blocks * args.page
     manager = start_manager(lm.model, spec, gc)
     try:
-        # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
-        # budget keeps the rest within K)
+        # without eviction a request's prompt and answer must fit the whole cache; with it the engine says what
+        # fits (prompt_refusal: a long prompt is evicted between its prefill chunks)
         server = Server(TransformersBackend(manager), lm.tokenizer, model_name=args.model, eos=eos,
                         default_max_tokens=args.max_tokens, max_positions=_max_positions(lm.model),
-                        prompt_limit=capacity if evicts else None, total_limit=None if evicts else capacity,
+                        total_limit=None if evicts else capacity,
                         max_waiting=args.max_waiting, request_timeout=args.request_timeout,
                         reasoning_parser=args.reasoning_parser,
                         info={"model": args.model, "policy": spec.policy, "budget": spec.budget, "page": spec.page,
@@ -294,7 +294,7 @@ def _start_llamacpp(args, settings, evicts, eng, backend):
     try:
         tok = eng.gm.tokenizer
         server = Server(backend, tok, model_name=args.model, eos=tok.eog_ids(), default_max_tokens=args.max_tokens,
-                        max_positions=eng.gm.n_ctx_train or None, prompt_limit=backend.cells if evicts else None,
+                        max_positions=eng.gm.n_ctx_train or None,
                         total_limit=None if evicts else backend.stream_cells, max_waiting=args.max_waiting,
                         request_timeout=args.request_timeout, reasoning_parser=args.reasoning_parser,
                         info={"model": args.model, "engine": "llama.cpp", "policy": args.policy,

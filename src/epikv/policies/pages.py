@@ -19,17 +19,13 @@ contiguous cache, so its retention cost can be measured here (docs/SERVING.md):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import torch
 
 from ..errors import EpiKVError
-
-if TYPE_CHECKING:
-    from .base import CacheView
+from .view import CacheView
 
 
-def page_keep(priority: torch.Tensor, view: "CacheView", page: int) -> torch.Tensor:
+def page_keep(priority: torch.Tensor, view: CacheView, page: int) -> torch.Tensor:
     """The slots to keep, [batch, m] sorted, made of whole pages of `page` slots; m <= budget (>= budget - page + 1
     when the cache is over budget). priority: [batch, length] (token granularity only)."""
     if priority.dim() != 2:

@@ -27,20 +27,6 @@ class Output:
     error: str | None = None
 
 
-def mean_p50(hist: dict[int, int]) -> tuple[float | None, int | None, int]:
-    """Mean and median of a histogram {value: count}, and its count (None, None, 0 when empty)."""
-    items = sorted(hist.items())
-    n = sum(c for _, c in items)
-    if not n:
-        return None, None, 0
-    acc = 0
-    for k, c in items:
-        acc += c
-        if 2 * acc >= n:
-            return sum(k * c for k, c in items) / n, k, n
-    raise AssertionError("unreachable")
-
-
 class Backend:
     """What the app needs from an engine (the methods to implement; none is optional).
 

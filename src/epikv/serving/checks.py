@@ -12,19 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EpiKVError
+from .internals import ServingUnsupported, need as _need, params as _params
 
 MIN_PAGES = 4  # a budget must hold at least this many pages (prompt, recency, newest page and one to evict)
-
-
-class ServingUnsupported(EpiKVError):
-    """This transformers version lacks (or changed) a continuous-batching internal epikv.serving relies on.
-    `missing` names it."""
-
-    def __init__(self, missing: str, why: str = "") -> None:
-        self.missing = missing
-        super().__init__(f"transformers' continuous batching here lacks {missing}{': ' + why if why else ''}; "
-                         "serving with eviction needs the continuous-batching internals of transformers 5.17 or 5.25 "
-                         "(the versions it is tested on)")
 
 
 @dataclass
@@ -140,22 +130,6 @@ def check_spec(spec: ServeSpec, cb_fields: set | None = None) -> Any:
                 k == "default_compile_level" and v):
             raise EpiKVError(f"{k}={v!r} is refused with eviction: a compiled forward would not run the hooks")
     return pol
-
-
-def _need(obj, name: str, label: str):
-    if not hasattr(obj, name):
-        raise ServingUnsupported(f"{label}.{name}")
-    return getattr(obj, name)
-
-
-def _params(fn, label: str, names: tuple[str, ...]) -> None:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        raise ServingUnsupported(label, "signature unreadable") from None
-    for n in names:
-        if n not in params:
-            raise ServingUnsupported(f"{label}({n}=...)")
 
 
 def cb_config_fields(cls) -> set:

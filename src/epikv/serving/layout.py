@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .checks import ServingUnsupported, _need as need, _params as params
+from .internals import ServingUnsupported, need, params
 
 
 class Layout:

@@ -49,7 +49,8 @@ from ..policies import DEFAULT_POLICY
 from ..llamacpp.engine import KV_DTYPES, all_outputs, attn_plan, checked_policy, default_threads, make_context
 from ..llamacpp.model import GGUFModel
 from ..llamacpp.sequence import SequenceCache
-from .backend import Backend, Output, mean_p50
+from .backend import Backend, Output
+from .metrics import mean_p50
 
 KV_LAYOUTS = ("streams", "unified")
 
@@ -69,6 +70,7 @@ class _Req:
     max_tokens: int
     sampler: object | None  # serving.sampling.RequestSampler; None: greedy
     ignore_eos: bool
+    policy: object = None  # the policy this request runs (LlamaBackend.prompt_policy)
     generated: list[int] = field(default_factory=list)
     seq: _Seq | None = None
     fed: int = 0  # tokens of prompt + generated fed into the cache
@@ -155,7 +157,8 @@ class LlamaBackend(Backend):
         self._lock = threading.Lock()
         self.fatal: str | None = None
         self.counters = dict(admitted=0, finished=0, failed=0, cancelled=0, preemptions=0, evictions=0,
-                             evicted_tokens=0, steps=0, decodes=0, batch_rows=0, max_running=0, peak_cells=0)
+                             evicted_tokens=0, steps=0, decodes=0, batch_rows=0, max_running=0, peak_cells=0,
+                             prompts_evicted=0)
         # sequences holding cells, per decode; and the same over the decodes in which a request waited for cells
         # (a sequence id was free): what the cache holds when it is the limit (bench serve's "in flight, cache full")
         self.in_flight_hist: dict[int, int] = {}
@@ -184,7 +187,12 @@ class LlamaBackend(Backend):
             from .sampling import RequestSampler
 
             sampler = RequestSampler(sampling, seed, input_ids, max_tokens, "cpu")
-        self._inbox.put(("submit", _Req(rid, [int(t) for t in input_ids], int(max_tokens), sampler, ignore_eos)))
+        policy = self.prompt_policy(len(input_ids))
+        if policy is not self.policy:
+            with self._lock:
+                self.counters["prompts_evicted"] += 1
+        self._inbox.put(("submit", _Req(rid, [int(t) for t in input_ids], int(max_tokens), sampler, ignore_eos,
+                                        policy)))
 
     def next_output(self, timeout: float) -> Output | None:
         try:
@@ -208,15 +216,22 @@ class LlamaBackend(Backend):
         policy (at most its whole length); a policy that never evicts reserves its whole length, prompt and
         max_tokens, so it is never preempted."""
         if self.policy.evicts:
-            return min(self.policy.protected(len(r.prompt)) + self.recent, r.known)
+            return min((r.policy or self.policy).protected(len(r.prompt)) + self.recent, r.known)
         return len(r.prompt) + r.max_tokens
+
+    def prompt_policy(self, n_prompt: int):
+        """The policy a request with this many prompt tokens runs: the served one, or where its protected prompt
+        does not fit the budget the same with prompt protection off (Policy.for_prompt): the prompt is then evicted
+        inside, between its prefill chunks, as `--no-protect-prompt` does."""
+        return self.policy.for_prompt(self.budget, self.recent, n_prompt)
 
     def prompt_refusal(self, n_prompt: int) -> str | None:
         if self.policy.evicts:
-            why = self.policy.protected_overflow(self.budget, self.recent, n_prompt)
+            pol = self.prompt_policy(n_prompt)
+            why = pol.protected_overflow(self.budget, self.recent, n_prompt)
             if why:
                 return why
-            need = self.policy.protected(n_prompt) + self.recent
+            need = pol.protected(n_prompt) + self.recent
             if min(need, n_prompt) > self.stream_cells:
                 return (f"the prompt's protected tokens and recency window ({need}) exceed the {self.stream_cells} "
                         f"cells {'of a stream' if self.streams else ''}".rstrip())
@@ -349,8 +364,8 @@ class LlamaBackend(Backend):
             self._waiting.popleft()
             if self.streams:  # lowest id first: decoding ids stay consecutive, so a step is few micro-batches
                 self._free_ids.sort()
-            seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, self.policy, self.budget, self.blocks,
-                       self.cell_counter, KV_DTYPES[self.type_kv])
+            seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, r.policy or self.policy, self.budget,
+                       self.blocks, self.cell_counter, KV_DTYPES[self.type_kv])
             # a sequence holds at most budget + tau - 1 cells and a step's rows
             seq.mirror_cells = min(self.cells, self.budget + self.policy.tau + self.max_batch if self.budget
                                    else self.cells)

@@ -18,6 +18,20 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+def mean_p50(hist: dict[int, int]) -> tuple[float | None, int | None, int]:
+    """Mean and median of a histogram {value: count}, and its count (None, None, 0 when empty)."""
+    items = sorted(hist.items())
+    n = sum(c for _, c in items)
+    if not n:
+        return None, None, 0
+    acc = 0
+    for k, c in items:
+        acc += c
+        if 2 * acc >= n:
+            return sum(k * c for k, c in items) / n, k, n
+    raise AssertionError("unreachable")
+
+
 class Metrics:
     def __init__(self, server) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ..errors import EpiKVError
-from .backend import mean_p50 as _mean_p50
 from .checks import ServeSpec, ServingUnsupported, check_internals, check_serving, probe_cache
 from .evictor import KVReader, Track
+from .metrics import mean_p50 as _mean_p50
 
 SCHEDULER_KEY = "epikv"
 RECENT_FINISHED = 256  # finished requests whose evicted-token count /stats lists (a ring: bounded on a long run)
@@ -61,7 +61,7 @@ class Runtime:
         self.lock = threading.Lock()
         self.stats = dict(peak_pages=0, pages_in_use=0, pages_freed=0, evictions=0, max_in_flight=0, offloads=0,
                           soft_resets=0, forks=0, refused=0, steps=0, chunked_prefills=0, finished=0,
-                          evicted_tokens=0)
+                          evicted_tokens=0, prompts_evicted=0)
         # tokens evicted per finished request, the newest RECENT_FINISHED only; the totals above count them all
         self.finished_evicted: collections.OrderedDict[str, int] = collections.OrderedDict()
 
@@ -193,17 +193,45 @@ class Runtime:
 
     def new_track(self, state) -> Track:
         prompt = getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
-        return Track(self.policy, self.depth, self.device, prompt, self.budget, self.recent)
+        policy = self.prompt_policy(prompt)
+        if policy is not self.policy and not getattr(state, "_epikv_prompt_evicted", False):
+            state._epikv_prompt_evicted = True  # counted once per request (a soft reset makes a new track)
+            self.stats["prompts_evicted"] += 1
+        return Track(policy, self.depth, self.device, prompt, self.budget, self.recent)
+
+    def prompt_policy(self, prompt: int):
+        """The policy a request with this many prompt tokens runs: the served one, or where its protected prompt
+        does not fit the budget the same with prompt protection off (Policy.for_prompt)."""
+        return self.policy.for_prompt(self.budget, self.recent, prompt)
 
     def too_long(self, state) -> str | None:
-        """The engine's own check (EpiKVCache.begin): the protected prompt and the recency window must fit."""
+        """The engine's own check (EpiKVCache.begin): what stays protected and the recency window must fit."""
         return self.protected_overflow(getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens))
 
     def protected_overflow(self, prompt: int) -> str | None:
         """Why a prompt of this many tokens can never be served within the budget, or None."""
         if not self.policy.evicts:
             return None
-        return self.policy.protected_overflow(self.budget, self.recent, prompt)
+        return self.prompt_policy(prompt).protected_overflow(self.budget, self.recent, prompt)
+
+    def capacity_overflow(self, prompt: int) -> str | None:
+        """Why an evicting request with this many prompt tokens would not fit the paged cache even alone, or None.
+        It holds at most its whole prompt, or (a prompt evicted inside) budget + tau - 1 stored tokens plus one
+        prefill chunk of max_batch_tokens, since transformers prefills a long prompt in chunks and the scheduler
+        evicts between them."""
+        if not self.policy.evicts:
+            return None  # `full` holds prompt + answer: the server checks that total itself
+        spec = self.spec
+        cap = spec.num_blocks * spec.page
+        peak = min(prompt, self.budget + self.policy.tau - 1 + spec.max_batch_tokens)
+        if peak <= cap:
+            return None
+        if peak == prompt:
+            return (f"prompt ({prompt} tokens) exceeds the {cap} tokens a request may hold in this server's cache "
+                    "(--num-blocks x --page); raise --num-blocks")
+        return (f"a prompt of {prompt} tokens, evicted between its prefill chunks, holds up to {peak} tokens (budget "
+                f"+ tau - 1 + --max-batch-tokens), over the {cap} of this server's cache (--num-blocks x --page); "
+                "raise --num-blocks or lower --max-batch-tokens")
 
     def fail(self, scheduler, state, msg: str) -> None:
         rid = state.request_id
@@ -438,12 +466,13 @@ def start_manager(model, spec: ServeSpec, generation_config=None):
 
 
 def prompt_refusal(manager, prompt_tokens: int) -> str | None:
-    """Why a prompt of `prompt_tokens` tokens would fail in this served manager (its protected part and the recency
-    window exceed the budget: the same line the engine gives), or None; lets a server refuse it up front."""
+    """Why a prompt of `prompt_tokens` tokens would fail in this served manager, or None; lets a server refuse it up
+    front: what stays protected of it and the recency window exceed the budget (the same line the engine gives), or
+    the most it holds at once exceeds the paged cache."""
     rt = getattr(manager, "_epikv_runtime", None)
     if rt is None:
         raise EpiKVError("this manager was not started by epikv.serving.start_manager")
-    return rt.protected_overflow(prompt_tokens)
+    return rt.protected_overflow(prompt_tokens) or rt.capacity_overflow(prompt_tokens)
 
 
 def serving_stats(manager) -> dict:
