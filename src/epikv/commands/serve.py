@@ -4,6 +4,7 @@ continuous batching (pages) or on one llama.cpp context (`--engine llama.cpp`, s
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import socket
 import sys
@@ -25,6 +26,13 @@ def _port(text: str) -> int:
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0: any free port), got {text!r}")
     return v
+
+
+def _app_name(text: str) -> str:
+    # it is also the route prefix (/NAME) and part of a Ray actor's name
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", text):
+        raise argparse.ArgumentTypeError(f"expected letters, digits, '-', '_' or '.' (at most 63), got {text!r}")
+    return text
 
 
 def register(sub) -> None:
@@ -93,6 +101,11 @@ def register(sub) -> None:
     r.add_argument("--max-replicas", type=positive_int, default=None, help="the autoscaling's upper bound")
     r.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: start a local instance")
+    r.add_argument("--ray-app-name", type=_app_name, default=None,
+                   help="this server's Serve application (its replicas, router and registry; deleted when it "
+                        "stops, other applications on the cluster stay). Serve's one HTTP proxy serves every "
+                        "application: the first at /, a later one at /NAME (the URL printed); default: epikv- and "
+                        "a random suffix")
     p.set_defaults(run=run)
 
 
@@ -130,7 +143,8 @@ def config(args) -> ServeConfig:
     that depend on other options filled in. Nothing is loaded here."""
     if not args.ray:
         for flag, v in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
-                        ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address)):
+                        ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address),
+                        ("--ray-app-name", args.ray_app_name)):
             if v is not None:
                 raise EpiKVError(f"{flag} is an option of --ray (Ray Serve replicas)")
     if args.min_replicas is not None or args.max_replicas is not None:
@@ -180,7 +194,8 @@ def config(args) -> ServeConfig:
         threads=args.threads, host=args.host, port=args.port, max_tokens=args.max_tokens,
         reasoning_parser=args.reasoning_parser, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
         drain_timeout=args.drain_timeout, log_level=args.log_level, ray=args.ray, replicas=args.replicas,
-        min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address)
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address,
+        ray_app_name=args.ray_app_name)
 
 
 def _run(args) -> int:
