@@ -394,7 +394,7 @@ def test_sigterm_to_the_process_group_ends_a_local_server(monkeypatch, tmp_path)
     """`timeout` and systemd signal the whole process group: the local Ray instance's own processes (GCS, raylet)
     end with the server's. The server sees its instance gone and exits 0 within seconds (before the fix it waited
     on Ray calls that never answer until Ray killed it, exit 1, after a minute).
-    Mutant: _get without its _local_ray_gone() check: the process outlives the 45 s bound."""
+    Mutant: _local_ray_gone() always False: the process outlives the 45 s bound."""
     import subprocess
     import sys
 
