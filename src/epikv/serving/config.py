@@ -13,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..models import DEFAULT_MODEL
+
 
 @dataclass(frozen=True)
 class ServeConfig:
     # the model (torch: any `epikv.models.load_model` name; llama.cpp: smollm2 or a local .gguf)
-    model: str = "smollm2"
+    model: str = DEFAULT_MODEL
     device: str | None = None
     device_map: str | None = None
     dtype: str | None = None
     attn: str | None = None
-    # eviction: the policy by name (resolved), its settings, and the budget K (None: the policy does not evict)
+    # eviction: the policy by name (the CLI resolves its default by engine), its settings, and the budget K (None: the
+    # policy does not evict)
     policy: str = "full"
     settings: dict = field(default_factory=dict)
     budget: int | None = None
