@@ -34,6 +34,7 @@ engine's threads use.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -332,7 +333,13 @@ def registry_name(app: str) -> str:
 def _proxy_address(serve, host: str, port: int) -> tuple[str, int]:
     """Start Serve's HTTP proxy on host:port, or find the one already running on the cluster (one proxy serves every
     application; Serve ignores new HTTP options then): the host and port it listens on."""
-    serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
+    log = logging.getLogger("ray.serve")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its warning that our HTTP options are ignored: the caller says what happens instead
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
+    finally:
+        log.setLevel(level)
     try:
         from ray.serve.context import _get_global_client
 
@@ -355,6 +362,8 @@ def run_ray(cfg: ServeConfig) -> int:
     app = cfg.ray_app_name
     opts = deployment_options(cfg)
     port = cfg.port or _free_port(cfg.host)
+    if cfg.log_level not in ("info", "debug"):  # Serve's progress lines in this process ("Started Serve", ...)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     ray.init(address=cfg.ray_address, namespace=NAMESPACE, include_dashboard=False, configure_logging=False,
              log_to_driver=cfg.log_level in ("info", "debug"))
     stop = threading.Event()
