@@ -106,7 +106,7 @@ class _Handle:
         return self.call
 
 
-def _request(path="/v1/completions", body=b"{}"):
+def _request(path="/v1/completions", body=b"{}", root_path=""):
     sent = [False]
 
     async def receive():
@@ -115,7 +115,8 @@ def _request(path="/v1/completions", body=b"{}"):
             return {"type": "http.request", "body": body, "more_body": False}
         await asyncio.sleep(3600)
 
-    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "headers": [], "root_path": ""}
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "headers": [],
+             "root_path": root_path}
     return Request(scope, receive)
 
 
@@ -177,3 +178,14 @@ def test_a_client_that_leaves_cancels_the_call_in_the_replica():
 
     asyncio.run(go())
     assert call.cancelled
+
+
+def test_an_application_under_a_route_prefix_forwards_the_path_below_it():
+    """A second server on a cluster's Serve answers under /<its app name> (Serve's proxy puts the prefix in
+    root_path and keeps it in path): the replica's app gets its own routes, /v1/completions.
+    Mutant: the Router forwards scope["path"] as it came: the replica would answer 404."""
+    head = {"status": 200, "headers": [], "body": b"{}", "more": False}
+    for path, root in (("/epikv-b/v1/completions", "/epikv-b"), ("/v1/completions", ""), ("/epikv-b", "/epikv-b")):
+        handle = _Handle(_Call([head], die_after=5))
+        asyncio.run(Router(handle)(_request(path, root_path=root)))
+        assert handle.args[:2] == ("POST", path[len(root):] or "/"), (path, handle.args)

@@ -8,9 +8,13 @@ an SSE error event and [DONE] (no hang, no cut connection); a client that leaves
 the replica; the next requests are answered and Ray restarts the replica; SIGTERM drains (in flight
 finishes, new requests get 503) and exits 0."""
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.error
@@ -238,11 +242,11 @@ def test_sigterm_drains_every_replica(ray_served):
     assert rc == 0 and "epikv serve: stopped" in err, err[-2000:]
 
 
-def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
-    """--ray-address joins a Ray cluster started apart (`ray start --head --block`, as on a real cluster's head), and
-    --min-replicas 1 --max-replicas 2 starts one replica, then adds the second while more requests are in flight
-    than a replica's target (Serve's autoscaling_config); the answers keep coming meanwhile; SIGTERM exits 0 and
-    leaves the cluster up (it is not ours to stop)."""
+@contextlib.contextmanager
+def _ray_head(monkeypatch, cpus=4):
+    """A Ray cluster started apart (`ray start --head --block`, as on a real cluster's head), in a temp dir of its
+    own; yields its address and stops it after."""
+    import secrets
     import socket
     import subprocess
     import sys
@@ -256,18 +260,13 @@ def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
     ray_cli = str(Path(sys.executable).with_name("ray"))
     # a token of the test's own for the cluster and the server (Ray >= 2.52 authenticates when a token exists: one
     # left in ~/.ray by an earlier local instance would otherwise be half-used); older Rays ignore both variables
-    import secrets
-
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the head and Served() both start with this environment
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     # a temp dir of its own: the head writes its address there, not to /tmp/ray/ray_current_cluster, where every
     # later ray.init() of the session would find it and try to join this cluster once it is gone (short: Ray's socket
     # paths must fit 107 characters)
-    import shutil
-    import tempfile
-
     temp_dir = tempfile.mkdtemp(prefix="epr", dir="/tmp")
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}",
                              f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     started = threading.Event()
@@ -281,59 +280,156 @@ def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
         started.set()
 
     threading.Thread(target=read, daemon=True).start()
-    s = None
     try:
         assert started.wait(180) and head.poll() is None, "".join(head_out)[-3000:]
-        addr = f"127.0.0.1:{port}"
-        s = Served(["--ray", "--ray-address", addr, "--min-replicas", "1", "--max-replicas", "2", *SERVE])
-        assert f"Ray Serve on {addr}, 1..2 replica(s)" in "".join(s.err)
-        assert len(_replicas(s, 1)) == 1
-        stop = threading.Event()
-        answered = []
-
-        def load():  # long streams, more in flight than the target of 4 a replica
-            while not stop.is_set():
-                stream = s.client.completions.create(model=MODEL, prompt="Keep going", max_tokens=4000, stream=True,
-                                                     extra_body={"ignore_eos": True})
-                for n, part in enumerate(stream):
-                    answered.append(part.id)
-                    if stop.is_set() or n > 400:
-                        stream.close()
-                        break
-
-        workers = [threading.Thread(target=load, daemon=True) for _ in range(12)]
-        for w in workers:
-            w.start()
-        end = time.monotonic() + 180
-        reps = {}
-        while time.monotonic() < end:
-            reps = s.get("/stats")["replicas"]
-            if len(reps) == 2:
-                break
-            time.sleep(1)
-        stop.set()
-        for w in workers:
-            w.join(60)
-        assert len(reps) == 2, f"no second replica within 180 s: {list(reps)}"
-        assert len({_replica(i) for i in answered}) >= 1 and len(answered) > 100
-        # the replicas run on the cluster we started (not on a local instance of the server's own)
-        probe = ("import ray; from ray import serve; ray.init(address=%r, namespace='epikv-serve', "
-                 "configure_logging=False, log_to_driver=False); a = serve.status().applications['epikv']; "
-                 "print('REPLICAS', sum(a.deployments['EngineReplica'].replica_states.values()))" % addr)
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=_env())
-        assert "REPLICAS 2" in out.stdout, out.stdout + out.stderr[-2000:]
-        s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(120) == 0, "".join(s.err)[-2000:]
-        assert head.poll() is None, "stopping the server stopped the cluster it joined"
+        yield f"127.0.0.1:{port}", head
     finally:
-        if s is not None and s.proc.poll() is None:
-            s.proc.kill()
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes as it exits
         try:
             head.wait(60)
         except Exception:  # noqa: BLE001
             head.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_joins_an_existing_cluster_and_autoscales_under_load(monkeypatch):
+    """--ray-address joins a Ray cluster started apart (`ray start --head --block`, as on a real cluster's head), and
+    --min-replicas 1 --max-replicas 2 starts one replica, then adds the second while more requests are in flight
+    than a replica's target (Serve's autoscaling_config); the answers keep coming meanwhile; SIGTERM exits 0 and
+    leaves the cluster up (it is not ours to stop)."""
+    import subprocess
+    import sys
+
+    from test_serving_http import _env
+
+    with _ray_head(monkeypatch) as (addr, head):
+        s = None
+        try:
+            s = Served(["--ray", "--ray-address", addr, "--ray-app-name", "epikv-auto", "--min-replicas", "1",
+                        "--max-replicas", "2", *SERVE])
+            assert f"Ray Serve application epikv-auto on {addr}, 1..2 replica(s)" in "".join(s.err)
+            assert len(_replicas(s, 1)) == 1
+            stop = threading.Event()
+            answered = []
+
+            def load():  # long streams, more in flight than the target of 4 a replica
+                while not stop.is_set():
+                    stream = s.client.completions.create(model=MODEL, prompt="Keep going", max_tokens=4000, stream=True,
+                                                         extra_body={"ignore_eos": True})
+                    for n, part in enumerate(stream):
+                        answered.append(part.id)
+                        if stop.is_set() or n > 400:
+                            stream.close()
+                            break
+
+            workers = [threading.Thread(target=load, daemon=True) for _ in range(12)]
+            for w in workers:
+                w.start()
+            end = time.monotonic() + 180
+            reps = {}
+            while time.monotonic() < end:
+                reps = s.get("/stats")["replicas"]
+                if len(reps) == 2:
+                    break
+                time.sleep(1)
+            stop.set()
+            for w in workers:
+                w.join(60)
+            assert len(reps) == 2, f"no second replica within 180 s: {list(reps)}"
+            assert len({_replica(i) for i in answered}) >= 1 and len(answered) > 100
+            # the replicas run on the cluster we started (not on a local instance of the server's own)
+            probe = ("import ray; from ray import serve; ray.init(address=%r, namespace='epikv-serve', "
+                     "configure_logging=False, log_to_driver=False); a = serve.status().applications['epikv-auto']; "
+                     "print('REPLICAS', sum(a.deployments['EngineReplica'].replica_states.values()))" % addr)
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=_env())
+            assert "REPLICAS 2" in out.stdout, out.stdout + out.stderr[-2000:]
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(120) == 0, "".join(s.err)[-2000:]
+            assert head.poll() is None, "stopping the server stopped the cluster it joined"
+        finally:
+            if s is not None and s.proc.poll() is None:
+                s.proc.kill()
+
+
+def test_two_servers_share_a_cluster_and_stopping_one_leaves_the_other(monkeypatch):
+    """Two `epikv serve --ray` on one cluster: each its own application (a unique name, its own registry actor), the
+    second under /<its name> on the proxy the first started (Serve runs one HTTP proxy a cluster); each answers with
+    its own policy. A --port other than the proxy's is refused in one line (it would print a dead port). Stopping
+    the second deletes its application alone: the first goes on answering.
+    Mutants: serve.shutdown() for serve.delete(app) (the first server stops answering); a fixed application name
+    (the second is refused, or replaced the first's application before the fix)."""
+    from test_serving_http import _cli
+
+    with _ray_head(monkeypatch) as (addr, _):
+        a = b = None
+        try:
+            a = Served(["--ray", "--ray-address", addr, *SERVE])
+            b = Served(["--ray", "--ray-address", addr, "--model", MODEL, "--policy", "full", "--page", "16",
+                        "--num-blocks", "32", "--max-tokens", "8"])
+            root, name = re.match(r"(http://[^/]+)/(epikv-[0-9a-f]+)$", b.url).groups()
+            assert a.url == root, (a.url, b.url)  # one proxy: the second server's URL is the first's port + /name
+            assert name in "".join(b.err) and name not in "".join(a.err)
+            assert a.get("/stats")["server"]["policy"] == "epikv" and b.get("/stats")["server"]["policy"] == "full"
+            assert b.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+            port = int(root.rsplit(":", 1)[1])
+            r = _cli("serve", "--ray", "--ray-address", addr, *SERVE, "--port", str(port + 1 if port < 65535 else 1))
+            lines = [x for x in r.stderr.splitlines() if x.strip() and "Token authentication" not in x]  # Ray's
+            assert r.returncode == 2 and len(lines) == 1 and f"already listens on port {port}" in lines[0], r.stderr
+            b.proc.send_signal(signal.SIGTERM)
+            assert b.proc.wait(120) == 0, "".join(b.err)[-2000:]
+            time.sleep(2)  # what a shutdown of Serve would take down has gone by now
+            assert a.get("/health") == {"status": "ok"}
+            assert a.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+        finally:
+            for s in (a, b):
+                if s is not None and s.proc.poll() is None:
+                    s.proc.send_signal(signal.SIGTERM)
+                    try:
+                        s.proc.wait(60)
+                    except Exception:  # noqa: BLE001
+                        s.proc.kill()
+
+
+def test_sigterm_to_the_process_group_ends_a_local_server(monkeypatch, tmp_path):
+    """`timeout` and systemd signal the whole process group: the local Ray instance's own processes (GCS, raylet)
+    end with the server's. The server sees its instance gone and exits 0 within seconds (before the fix it waited
+    on Ray calls that never answer until Ray killed it, exit 1, after a minute).
+    Mutant: _local_ray_gone() always False: the process outlives the 45 s bound."""
+    import subprocess
+    import sys
+
+    from test_serving_http import _env
+
+    temp = tempfile.mkdtemp(prefix="epg", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
+    env = dict(_env(), RAY_TMPDIR=temp)
+    proc = subprocess.Popen([sys.executable, "-m", "epikv.cli", "serve", "--ray", *SERVE, "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    err: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            err.append(line)
+            if "listening on" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300) and proc.poll() is None, "".join(err)[-3000:]
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(45)
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 0, "".join(err)[-3000:]
+        assert "stopped with the signal" in "".join(err) and "epikv serve: stopped" in "".join(err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -351,13 +447,32 @@ def test_replica_options_refused_in_one_line(argv, needle):
 
 
 def test_autoscaling_options():
-    import argparse
-
+    from epikv.serving.config import ServeConfig
     from epikv.serving.ray_serve import deployment_options
 
-    ns = dict(replicas=None, min_replicas=1, max_replicas=4, sequences=8, drain_timeout=30.0)
-    auto = deployment_options(argparse.Namespace(**ns))["autoscaling_config"]
+    cfg = ServeConfig(ray=True, min_replicas=1, max_replicas=4, sequences=8, drain_timeout=30.0)
+    auto = deployment_options(cfg)["autoscaling_config"]
     assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 4)
-    fixed = deployment_options(argparse.Namespace(**dict(ns, min_replicas=None, max_replicas=None, replicas=3)))
+    fixed = deployment_options(cfg.replace(min_replicas=None, max_replicas=None, replicas=3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["max_ongoing_requests"] > 100  # the app admits (429), not Serve's queue
+
+
+def test_each_replica_reserves_the_cpus_its_engine_threads_use():
+    """A llama.cpp replica reserves --threads CPUs (else llama.cpp's default, pinned in the replicas' config so that
+    what runs is what was reserved); a torch replica its --threads, else one. Each server gets its own application
+    name (and so its own registry actor) unless one is given.
+    Mutant: ray_actor_options {"num_cpus": 1} again: the first assertion fails."""
+    from epikv.llamacpp.engine import default_threads
+    from epikv.serving.config import ServeConfig
+    from epikv.serving.ray_serve import deployment_options, registry_name, replica_config
+
+    cpus = lambda cfg: deployment_options(cfg)["ray_actor_options"]["num_cpus"]  # noqa: E731
+    lcpp = ServeConfig(ray=True, engine="llama.cpp", sequences=4)
+    assert cpus(lcpp.replace(threads=3)) == 3
+    assert cpus(lcpp) == default_threads() == replica_config(lcpp).threads
+    assert cpus(ServeConfig(ray=True, threads=2)) == 2 and cpus(ServeConfig(ray=True)) == 1
+    assert replica_config(ServeConfig(ray=True)).threads is None  # torch keeps its own default
+    a, b = replica_config(lcpp), replica_config(lcpp)
+    assert a.ray_app_name != b.ray_app_name and registry_name(a.ray_app_name) != registry_name(b.ray_app_name)
+    assert replica_config(lcpp.replace(ray_app_name="mine")).ray_app_name == "mine"

@@ -17,16 +17,26 @@ What the single server does, each replica does for its own requests: 429 with Re
 proxy picks the less loaded replica, so a 429 comes when the replicas sampled are full), --request-timeout, and the
 drain: on SIGTERM the command sets a flag every replica reads within half a second (`_Registry`, a named Ray actor),
 so each answers 503 with Retry-After to new requests and lets its requests in flight finish (up to --drain-timeout),
-then Serve is shut down. /stats is the answering replica's, with every replica's latest figures under "replicas"
-(each reports every half second), keyed by replica id; /metrics covers every live replica, each series labelled
-with its `replica` (the answering one's series as of the scrape, the others' at most half a second old; the
-answering replica's id is in the X-Epikv-Replica header); answer ids carry the replica id.
+then this server's application is deleted (Serve and the cluster's other applications stay; a local Ray instance
+stops with the command). A SIGTERM to the whole process group also ends a local instance's own processes: the
+command sees them gone and exits without waiting on calls nobody would answer.
+/stats is the answering replica's, with every replica's latest figures under "replicas" (each reports every half
+second), keyed by replica id; /metrics covers every live replica, each series labelled with its `replica` (the
+answering one's series as of the scrape, the others' at most half a second old; the answering replica's id is in
+the X-Epikv-Replica header); answer ids carry the replica id.
+
+Several servers share one cluster: each deploys its own application (--ray-app-name, unique by default) with its own
+registry actor. Serve runs one HTTP proxy a cluster, so a later server answers on the first one's port under
+/<its name> (the URL it prints), and a --port other than the proxy's is refused. Each replica reserves the CPUs its
+engine's threads use.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -34,10 +44,10 @@ import threading
 import time
 
 from ..errors import EpiKVError
+from .config import ServeConfig
 
-APP = "epikv"
 ENGINE = "EngineReplica"  # the engine replicas' deployment (the Router is the app's ingress)
-REGISTRY = "epikv-serve-registry"
+REGISTRY = "epikv-serve-registry"  # + "-<application name>": one a server
 NAMESPACE = "epikv-serve"
 REPORT_S = 0.5  # how often a replica reports its figures and reads the drain flag
 
@@ -77,22 +87,19 @@ class EngineReplica:
     """One engine (either kind, as `epikv serve` builds it from the same options) with its own cache, behind the
     app of serving/app.py, which the Router's handle reaches through `forward`."""
 
-    def __init__(self, options: dict):
-        import argparse
-
+    def __init__(self, cfg: ServeConfig):
         import ray
         from ray import serve
 
-        from ..commands.serve import prepare
+        from .build import prepare
 
-        args = argparse.Namespace(**options)
-        self.server, self._stop_engine, self.banner = prepare(args)()
+        self.server, self._stop_engine, self.banner = prepare(cfg)()
         ctx = serve.get_replica_context()
         rid = getattr(ctx, "replica_id", None)
         self.replica = str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", os.getpid()))
         self.server.info.update(replica=self.replica, pid=os.getpid())
         self.server.id_prefix = f"http-{self.replica}"
-        self.registry = ray.get_actor(REGISTRY, namespace=NAMESPACE)
+        self.registry = ray.get_actor(registry_name(cfg.ray_app_name), namespace=NAMESPACE)
         self.app = self._build_app()
         self._stopped = threading.Event()
         threading.Thread(target=self._report, name="epikv-replica-report", daemon=True).start()
@@ -236,8 +243,11 @@ class Router:
         from starlette.responses import Response, StreamingResponse
 
         body = await request.body()
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if root and path.startswith(root):  # the app answers under its route prefix: its own routes start at /
+            path = path[len(root):] or "/"
         call = self.engines.options(stream=True).forward.remote(
-            request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+            request.method, path, request.url.query.encode(), list(request.headers.raw), body)
         try:
             head = await call.__anext__()
         except Exception as e:  # noqa: BLE001 (the replica died or Ray lost it before answering)
@@ -276,49 +286,89 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def deployment_options(args) -> dict:
-    """Ray Serve's options for the deployment: replicas or autoscaling, a high max_ongoing_requests (the app does
-    its own admission: 429 past --max-waiting), health checks, and the drain's grace period."""
-    auto = args.min_replicas is not None or args.max_replicas is not None
-    if auto and args.replicas is not None:
-        raise EpiKVError("--replicas and --min-replicas / --max-replicas: give a fixed count or the autoscaling's "
-                         "bounds, not both")
+def replica_threads(cfg: ServeConfig) -> int:
+    """The CPU threads one replica's engine runs, which its Ray actor reserves: --threads, else llama.cpp's default
+    (half the cores; pinned in the replicas' config so that what runs is what was reserved); torch without --threads
+    reserves one."""
+    if cfg.threads:
+        return cfg.threads
+    if cfg.engine == "llama.cpp":
+        from ..llamacpp.engine import default_threads
+
+        return default_threads()
+    return 1
+
+
+def deployment_options(cfg: ServeConfig) -> dict:
+    """Ray Serve's options for the deployment (the CLI checked the bounds): replicas or autoscaling, a high
+    max_ongoing_requests (the app does its own admission: 429 past --max-waiting), health checks, the drain's grace
+    period, and the CPUs the engine's threads use."""
+    auto = cfg.min_replicas is not None or cfg.max_replicas is not None
     opts = {"max_ongoing_requests": 1024, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
-            "graceful_shutdown_timeout_s": float(args.drain_timeout) + 5.0, "graceful_shutdown_wait_loop_s": 0.5,
-            "ray_actor_options": {"num_cpus": 1}}
+            "graceful_shutdown_timeout_s": float(cfg.drain_timeout) + 5.0, "graceful_shutdown_wait_loop_s": 0.5,
+            "ray_actor_options": {"num_cpus": replica_threads(cfg)}}
     if auto:
-        lo = args.min_replicas or 1
-        hi = args.max_replicas
-        if hi is None:
-            raise EpiKVError("--min-replicas needs --max-replicas (the autoscaling's upper bound)")
-        if lo > hi:
-            raise EpiKVError(f"--min-replicas {lo} is above --max-replicas {hi}")
+        lo, hi = cfg.min_replicas or 1, cfg.max_replicas
         # a replica per `target` requests in flight (a llama.cpp replica decodes --sequences at once)
-        target = max(1, (args.sequences or 8) // 2)
+        target = max(1, (cfg.sequences or 8) // 2)
         opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
                                       "target_ongoing_requests": target, "upscale_delay_s": 5.0,
                                       "downscale_delay_s": 30.0}
     else:
-        opts["num_replicas"] = args.replicas or 1
+        opts["num_replicas"] = cfg.replicas or 1
     return opts
 
 
-def run_ray(args) -> int:
-    """`epikv serve --ray`: start (or join) Ray, deploy the replicas behind Serve's proxy on --host:--port, serve
-    until a signal (the first drains every replica, a second stops at once), then shut Serve down; exit 0."""
+def replica_config(cfg: ServeConfig) -> ServeConfig:
+    """The config each replica gets: this server's application name (a unique one unless --ray-app-name gave it) and,
+    on llama.cpp, the threads its actor reserves (so that a replica on another node runs as many)."""
+    return cfg.replace(ray_app_name=cfg.ray_app_name or f"epikv-{secrets.token_hex(4)}",
+                       threads=replica_threads(cfg) if cfg.engine == "llama.cpp" else cfg.threads)
+
+
+def registry_name(app: str) -> str:
+    return f"{REGISTRY}-{app}"
+
+
+def _proxy_address(serve, host: str, port: int) -> tuple[str, int]:
+    """Start Serve's HTTP proxy on host:port, or find the one already running on the cluster (one proxy serves every
+    application; Serve ignores new HTTP options then): the host and port it listens on."""
+    log = logging.getLogger("ray.serve")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its warning that our HTTP options are ignored: the caller says what happens instead
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
+    finally:
+        log.setLevel(level)
+    try:
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        return http.host, int(http.port)
+    except Exception:  # noqa: BLE001 (a Ray without this client: assume ours were taken)
+        return host, port
+
+
+def run_ray(cfg: ServeConfig) -> int:
+    """`epikv serve --ray`: start (or join) Ray, deploy this server's application (its own name, registry and route)
+    behind Serve's proxy, serve until a signal (the first drains every replica, a second stops at once), then delete
+    this application alone (other applications on the cluster stay); exit 0."""
     try:
         import ray
         from ray import serve
     except ImportError:
         raise EpiKVError("--ray needs Ray Serve: pip install 'epikv[ray,serve]'") from None
-    opts = deployment_options(args)
-    options = {k: v for k, v in vars(args).items() if k != "run"}
-    port = args.port or _free_port(args.host)
-    ray.init(address=args.ray_address, namespace=NAMESPACE, include_dashboard=False, configure_logging=False,
-             log_to_driver=args.log_level in ("info", "debug"))
+    cfg = replica_config(cfg)
+    app = cfg.ray_app_name
+    opts = deployment_options(cfg)
+    port = cfg.port or _free_port(cfg.host)
+    if cfg.log_level not in ("info", "debug"):  # Serve's progress lines in this process ("Started Serve", ...)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    ray.init(address=cfg.ray_address, namespace=NAMESPACE, include_dashboard=False, configure_logging=False,
+             log_to_driver=cfg.log_level in ("info", "debug"))
     stop = threading.Event()
     signals = []
-    registry = None
+    deployed = False
 
     def on_signal(sig, frame):
         signals.append(sig)
@@ -327,52 +377,118 @@ def run_ray(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        registry = ray.remote(_Registry).options(name=REGISTRY, namespace=NAMESPACE, num_cpus=0,
-                                                 get_if_exists=True).remote()
-        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"})
-        engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(options)
+        host, got = _proxy_address(serve, cfg.host, port)
+        if cfg.port and got != cfg.port:
+            raise EpiKVError(f"Ray Serve on this cluster already listens on port {got} (one HTTP proxy serves every "
+                             f"application): give --port {got} or 0")
+        others = serve.status().applications
+        if app in others:
+            raise EpiKVError(f"an application named {app} is already served on this cluster: give another "
+                             "--ray-app-name")
+        # the first application on the proxy answers at its root; a later one under its own name
+        prefix = f"/{app}" if others else "/"
+        registry = ray.remote(_Registry).options(name=registry_name(app), namespace=NAMESPACE, num_cpus=0).remote()
+        engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(cfg)
         router = serve.deployment(Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
                                   ray_actor_options={"num_cpus": 0}).bind(engines)
         try:
-            serve.run(router, name=APP, route_prefix="/", blocking=False)
+            deployed = True  # from here on a failure leaves something of this application to delete
+            serve.run(router, name=app, route_prefix=prefix, blocking=False)
         except Exception as e:  # a replica's constructor refused (a bad option, a missing model): one line
             lines = [x for x in str(e).strip().splitlines() if x.strip()]
             raise EpiKVError(f"Ray Serve could not start the replicas: {lines[-1] if lines else type(e).__name__}") \
                 from None
         n = opts.get("num_replicas") or f"{opts['autoscaling_config']['min_replicas']}.." \
                                         f"{opts['autoscaling_config']['max_replicas']}"
-        where = args.ray_address or "a local Ray instance"
-        print(f"epikv serve: listening on http://{args.host}:{port} (Ray Serve on {where}, {n} replica(s) of "
-              f"{args.engine}, model {args.model})", file=sys.stderr, flush=True)
+        where = cfg.ray_address or "a local Ray instance"
+        url = f"http://{host}:{got}{'' if prefix == '/' else prefix}"
+        print(f"epikv serve: listening on {url} (Ray Serve application {app} on {where}, {n} replica(s) of "
+              f"{cfg.engine}, model {cfg.model})", file=sys.stderr, flush=True)
         while not stop.wait(0.2):
             pass
-        _drain(registry, args.drain_timeout, signals)
+        _drain(registry, cfg.drain_timeout, signals)
+    except _RayGone:
+        deployed = False
+        print("epikv serve: the local Ray instance stopped with the signal (its processes got it too): nothing left "
+              "to drain", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            serve.shutdown()
-        except Exception as e:  # noqa: BLE001
-            print(f"epikv serve: warning: stopping Ray Serve: {type(e).__name__}: {e}", file=sys.stderr)
+        if deployed and not _local_ray_gone():
+            _delete(serve, app, cfg.drain_timeout + 30)
         ray.shutdown()
     print("epikv serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 
-def _drain(registry, timeout: float, signals: list) -> None:
-    """Every replica stops admitting (503) and finishes what is in flight, up to `timeout` seconds (a second signal
-    ends the wait)."""
+def _delete(serve, app: str, timeout: float) -> None:
+    """Delete this server's application (its replicas and router; Serve itself and the other applications stay),
+    giving up after `timeout` seconds: when the whole process group got the signal, a local Ray instance's own
+    processes are gone too and nothing would ever answer."""
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def delete():
+        try:
+            serve.delete(app)
+        except BaseException as e:  # noqa: BLE001
+            error.append(e)
+        done.set()
+
+    threading.Thread(target=delete, name="epikv-serve-delete", daemon=True).start()
+    if not done.wait(timeout):
+        print(f"epikv serve: warning: Ray Serve did not delete application {app} within {timeout:g} s (is the "
+              "cluster gone?)", file=sys.stderr, flush=True)
+    elif error:
+        print(f"epikv serve: warning: deleting application {app}: {type(error[0]).__name__}: {error[0]}",
+              file=sys.stderr, flush=True)
+class _RayGone(Exception):
+    """The local Ray instance this process started lost its own processes."""
+
+
+def _local_ray_gone() -> bool:
+    """Whether the local Ray instance this process started has lost a process (GCS, raylet): a SIGTERM to the whole
+    process group (`timeout`, systemd) reaches them as it reaches us. A joined cluster's processes are not ours:
+    never gone here."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node  # no public API says whether the local instance still runs
+        return bool(node is not None and node.dead_processes())
+    except Exception:  # noqa: BLE001 (another Ray: rely on the bounded waits)
+        return False
+
+
+def _get(ref, timeout: float):
+    """ray.get with a deadline that also gives up as soon as the local Ray instance is gone (no call would ever
+    answer then, and Ray's own wait for its GCS is a minute)."""
     import ray
 
+    end = time.monotonic() + timeout
+    while True:
+        if _local_ray_gone():
+            raise _RayGone()
+        ready, _ = ray.wait([ref], timeout=0.25)
+        if ready:
+            return ray.get(ref)
+        if time.monotonic() > end:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:g} s")
+
+
+def _drain(registry, timeout: float, signals: list) -> None:
+    """Every replica stops admitting (503) and finishes what is in flight, up to `timeout` seconds (a second signal
+    ends the wait). Raises _RayGone when the local Ray instance went down with the signal (nothing left to drain)."""
     try:
-        ray.get(registry.set_drain.remote(timeout), timeout=10)
+        _get(registry.set_drain.remote(timeout), 10)
         end = time.monotonic() + timeout
         time.sleep(2 * REPORT_S)  # every replica has read the flag
         while time.monotonic() < end and len(signals) < 2:
-            reps = ray.get(registry.all.remote(), timeout=10)
+            reps = _get(registry.all.remote(), 10)
             if all(st["http"]["in_flight"] == 0 for st in reps.values()):
                 return
             time.sleep(0.2)
+    except _RayGone:
+        raise
     except Exception as e:  # noqa: BLE001 (Ray itself is going: nothing left to drain)
         print(f"epikv serve: drain: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return
