@@ -138,14 +138,27 @@ def test_a_prompt_being_tokenized_does_not_stall_health(request, tok):
 
 @pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000,
                                   b'{"prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
-                                  b'{"messages": [{"role": "user", "content": ' + b"[" * 900 + b"]" * 900 + b"}]}"])
+                                  b'{"messages": [{"role": "user", "content": ' + b"[" * 980 + b"]" * 980 + b"}]}"])
 def test_deeply_nested_json_is_a_400(request, tok, body):
-    """Mutant: parse_body without its RecursionError clauses: a bare 500 (the first two bodies)."""
+    """Too deep to decode (the first two), or decoded and refused by name. Mutant: parse_body without its
+    RecursionError clause: a bare 500 (the first two)."""
     app = _app(request, tok)
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     err = _openai_error(*_send(app, "POST", path, body), 400)
     assert err["type"] == "invalid_request_error"
     assert app.get("/health") == '{"status":"ok"}'
+
+
+def test_a_refused_value_too_deep_to_show():
+    """The refusal shows the value as JSON, or says it nests too deeply (never a RecursionError, a 500).
+    Mutant: _as_json without RecursionError in its except."""
+    from epikv.serving.schema import _as_json
+
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert _as_json(deep) == "a value nested too deeply"
+    assert _as_json([True, None, "é"]) == '[true, null, "é"]' and _as_json("x" * 100).endswith('xxx...')
 
 
 @pytest.mark.parametrize("field, value, shown", [("n", True, "got true"), ("best_of", True, "got true"),
