@@ -351,13 +351,12 @@ def test_replica_options_refused_in_one_line(argv, needle):
 
 
 def test_autoscaling_options():
-    import argparse
-
+    from epikv.serving.config import ServeConfig
     from epikv.serving.ray_serve import deployment_options
 
-    ns = dict(replicas=None, min_replicas=1, max_replicas=4, sequences=8, drain_timeout=30.0)
-    auto = deployment_options(argparse.Namespace(**ns))["autoscaling_config"]
+    cfg = ServeConfig(ray=True, min_replicas=1, max_replicas=4, sequences=8, drain_timeout=30.0)
+    auto = deployment_options(cfg)["autoscaling_config"]
     assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 4)
-    fixed = deployment_options(argparse.Namespace(**dict(ns, min_replicas=None, max_replicas=None, replicas=3)))
+    fixed = deployment_options(cfg.replace(min_replicas=None, max_replicas=None, replicas=3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["max_ongoing_requests"] > 100  # the app admits (429), not Serve's queue

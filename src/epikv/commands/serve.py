@@ -4,7 +4,6 @@ continuous batching (pages) or on one llama.cpp context (`--engine llama.cpp`, s
 from __future__ import annotations
 
 import argparse
-import importlib
 import signal
 import socket
 import sys
@@ -12,11 +11,10 @@ import threading
 import time
 
 from ..errors import EpiKVError
+from ..serving.config import ServeConfig
 from ..serving.reasoning import PARSERS
-from .common import add_model_args, add_policy_args, load, nonneg_float, positive_int, settings_by_policy
-from .engines import FLASH_ATTN, THREADS_HELP, add_flash_attn_arg
-
-_NEEDS = ("fastapi", "uvicorn", "prometheus_client")
+from .common import add_model_args, add_policy_args, nonneg_float, positive_int, settings_by_policy
+from .engines import FLASH_ATTN, THREADS_HELP, LlamaCppEngine, add_flash_attn_arg
 
 
 def _port(text: str) -> int:
@@ -115,11 +113,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _max_positions(model) -> int | None:
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return getattr(cfg, "max_position_embeddings", None)
-
-
 def run(args) -> int:
     """`epikv serve`. The server takes SIGINT / SIGTERM (drain, then stop) and ignores them while it stops; the
     handlers the caller had are put back when it returns (`epikv.cli.main` called from Python, a test session)."""
@@ -132,21 +125,79 @@ def run(args) -> int:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def config(args) -> ServeConfig:
+    """The serve options as a ServeConfig: bad or contradictory options refused (EpiKVError, one line), the defaults
+    that depend on other options filled in. Nothing is loaded here."""
+    if not args.ray:
+        for flag, v in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
+                        ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address)):
+            if v is not None:
+                raise EpiKVError(f"{flag} is an option of --ray (Ray Serve replicas)")
+    if args.min_replicas is not None or args.max_replicas is not None:
+        if args.replicas is not None:
+            raise EpiKVError("--replicas and --min-replicas / --max-replicas: give a fixed count or the "
+                             "autoscaling's bounds, not both")
+        if args.max_replicas is None:
+            raise EpiKVError("--min-replicas needs --max-replicas (the autoscaling's upper bound)")
+        if (args.min_replicas or 1) > args.max_replicas:
+            raise EpiKVError(f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}")
+    policy = args.policy
+    if policy is None:
+        from ..policies import default_policy
+
+        policy = args.policy = default_policy("serve-llama.cpp" if args.engine == "llama.cpp" else "serve-torch")
+    settings = settings_by_policy(args, [policy])[policy]  # unknown policy, stray --set: refused here
+    from ..policies import REGISTRY
+
+    evicts = REGISTRY[policy].evicts
+    if args.engine == "llama.cpp":
+        given = [f for f, v in (("--num-blocks", args.num_blocks), ("--page", args.page)) if v is not None]
+        if given:
+            raise EpiKVError(f"{' and '.join(given)}: options of the torch engine's paged cache; --engine llama.cpp "
+                             "takes --ctx cells and --sequences")
+        streams = (args.kv or ("streams" if evicts else "unified")) == "streams"
+        missing = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is None
+                   and not (f == "--ctx" and streams and evicts)]
+        if missing:
+            raise EpiKVError(f"--engine llama.cpp needs {' and '.join(missing)} (KV cells of the one context, and "
+                             "the sequences decoded at once)")
+        LlamaCppEngine.refuse_torch_options(args)
+    else:
+        given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv),
+                                ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn))
+                 if v is not None]
+        if given:
+            raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
+                             "--num-blocks pages of --page tokens")
+        if args.num_blocks is None:
+            raise EpiKVError("--num-blocks is required (pages in the shared KV cache; the engine's default would "
+                             "fill 90% of free memory)")
+    return ServeConfig(
+        model=args.model, device=args.device, device_map=args.device_map, dtype=args.dtype, attn=args.attn,
+        policy=policy, settings=settings, budget=args.budget if evicts else None, tau=args.tau, recent=args.recent,
+        engine=args.engine, page=args.page or 16, num_blocks=args.num_blocks, ctx=args.ctx, kv=args.kv,
+        sequences=args.sequences, flash_attn=FLASH_ATTN[args.flash_attn], max_batch_tokens=args.max_batch_tokens,
+        threads=args.threads, host=args.host, port=args.port, max_tokens=args.max_tokens,
+        reasoning_parser=args.reasoning_parser, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
+        drain_timeout=args.drain_timeout, log_level=args.log_level, ray=args.ray, replicas=args.replicas,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address)
+
+
 def _run(args) -> int:
-    if getattr(args, "ray", False):
+    cfg = config(args)
+    if cfg.ray:
         from ..serving.ray_serve import run_ray
 
-        return run_ray(args)
-    for flag, v in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
-                    ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address)):
-        if v is not None:
-            raise EpiKVError(f"{flag} is an option of --ray (Ray Serve replicas)")
-    start = prepare(args)
-    sock = _bind(args.host, args.port)  # after the refusals and the model's load, before the engine starts
+        return run_ray(cfg)
+    from ..serving.build import check_installed, prepare
+
+    check_installed()
+    start = prepare(cfg)
+    sock = _bind(cfg.host, cfg.port)  # after the refusals and the model's load, before the engine starts
     try:
         server, stop, banner = start()
         try:
-            _http(args, server, sock, banner)
+            _http(cfg, server, sock, banner)
         finally:
             server.close()
             _ignore_signals()  # a second signal during the stop should not leave a traceback
@@ -157,103 +208,23 @@ def _run(args) -> int:
     return 0
 
 
-def prepare(args):
-    """Refuse bad options (EpiKVError, one line) and load the model; returns start() -> (server, stop, banner):
-    the engine started and the app's Server on it, a function that stops the engine, and a line that says what is
-    served. `epikv serve` binds its port between the two; a Ray Serve replica calls both in its constructor."""
-    missing = []
-    for m in _NEEDS:
-        try:
-            importlib.import_module(m)
-        except ImportError:
-            missing.append(m)
-    if missing:
-        raise EpiKVError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
-                         "pip install 'epikv[serve]'")
-    if args.policy is None:
-        from ..policies import default_policy
-
-        args.policy = default_policy("serve-llama.cpp" if args.engine == "llama.cpp" else "serve-torch")
-    settings = settings_by_policy(args, [args.policy])[args.policy]  # unknown policy, stray --set: refused here
-    from ..policies import REGISTRY
-
-    evicts = REGISTRY[args.policy].evicts
-    if args.engine == "llama.cpp":
-        return _prepare_llamacpp(args, settings, evicts)
-    given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv),
-                            ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn)) if v is not None]
-    if given:
-        raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
-                         "--num-blocks pages of --page tokens")
-    if args.num_blocks is None:
-        raise EpiKVError("--num-blocks is required (pages in the shared KV cache; the engine's default would fill 90% "
-                         "of free memory)")
-    args.page = args.page or 16
-    import torch
-
-    from ..engine import eos_ids
-    from ..serving import ServeSpec, check_serving, start_manager
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = ServeSpec(policy=args.policy, settings=settings, budget=args.budget if evicts else None, page=args.page,
-                     num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, recency=args.recent,
-                     tau=args.tau)
-    lm = load(args)
-    check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
-    return lambda: _start_torch(args, lm, spec, evicts, start_manager, eos_ids)
-
-
-def _start_torch(args, lm, spec, evicts, start_manager, eos_ids):
-    from transformers import GenerationConfig
-
-    from ..serving.app import Server
-    from ..serving.backend import TransformersBackend
-
-    eos = eos_ids(lm.model, lm.tokenizer)
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    # the engine decodes greedily; a sampled request's own sampler picks its tokens (serving/sampling.py)
-    gc = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos or -1, pad_token_id=pad)
-    capacity = args.num_blocks * args.page
-    manager = start_manager(lm.model, spec, gc)
-    try:
-        # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
-        # budget keeps the rest within K)
-        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=args.model, eos=eos,
-                        default_max_tokens=args.max_tokens, max_positions=_max_positions(lm.model),
-                        prompt_limit=capacity if evicts else None, total_limit=None if evicts else capacity,
-                        max_waiting=args.max_waiting, request_timeout=args.request_timeout,
-                        reasoning_parser=args.reasoning_parser,
-                        info={"model": args.model, "policy": spec.policy, "budget": spec.budget, "page": spec.page,
-                              "num_blocks": spec.num_blocks, "max_batch_tokens": spec.max_batch_tokens,
-                              "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
-                              "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
-                              "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.settings.items()}})
-    except BaseException:
-        _stop_manager(manager)
-        raise
-    what = f"{spec.policy}" + (f" K={spec.budget}" if spec.budget else "")
-    return server, lambda: _stop_manager(manager), f"model {args.model}, {what}, page {spec.page}, " \
-                                                   f"{spec.num_blocks} blocks"
-
-
-def _http(args, server, sock, banner: str) -> None:
+def _http(cfg: ServeConfig, server, sock, banner: str) -> None:
     """Serve `server` on the bound socket until a signal (the first drains, a second stops at once)."""
     from ..serving.app import build_app
 
     app = build_app(server)
     import uvicorn
 
-    cfg = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
-                         timeout_graceful_shutdown=5, lifespan="off")
-    userver = _QuietServer(cfg)
+    ucfg = uvicorn.Config(app, log_level=cfg.log_level, access_log=cfg.log_level in ("info", "debug"),
+                          timeout_graceful_shutdown=5, lifespan="off")
+    userver = _QuietServer(ucfg)
 
     def on_signal(sig, frame):  # first signal: drain, then stop; second: stop now
         if server.draining:
             userver.force_exit = userver.should_exit = True
             return
-        server.start_drain(args.drain_timeout)
-        threading.Thread(target=_drain, args=(server, userver, args.drain_timeout), name="epikv-serve-drain",
+        server.start_drain(cfg.drain_timeout)
+        threading.Thread(target=_drain, args=(server, userver, cfg.drain_timeout), name="epikv-serve-drain",
                          daemon=True).start()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -262,58 +233,6 @@ def _http(args, server, sock, banner: str) -> None:
     host, port = sock.getsockname()[:2]
     print(f"epikv serve: listening on http://{host}:{port} ({banner})", file=sys.stderr, flush=True)
     userver.run(sockets=[sock])
-
-
-def _prepare_llamacpp(args, settings: dict, evicts: bool):
-    """`epikv serve --engine llama.cpp`: the same app on LlamaBackend (epikv.serving.llamacpp)."""
-    given = [f for f, v in (("--num-blocks", args.num_blocks), ("--page", args.page)) if v is not None]
-    if given:
-        raise EpiKVError(f"{' and '.join(given)}: options of the torch engine's paged cache; --engine llama.cpp "
-                         "takes --ctx cells and --sequences")
-    streams = (args.kv or ("streams" if evicts else "unified")) == "streams"
-    missing = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences)) if v is None
-               and not (f == "--ctx" and streams and evicts)]
-    if missing:
-        raise EpiKVError(f"--engine llama.cpp needs {' and '.join(missing)} (KV cells of the one context, and the "
-                         "sequences decoded at once)")
-    from .engines import LlamaCppEngine
-
-    eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF: refused here in one line
-    from ..serving.llamacpp import LlamaBackend
-
-    backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
-                           sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
-                           kv=args.kv, flash_attn=FLASH_ATTN[args.flash_attn], **settings)
-    return lambda: _start_llamacpp(args, settings, evicts, eng, backend)
-
-
-def _start_llamacpp(args, settings, evicts, eng, backend):
-    from ..llamacpp import lib
-    from ..serving.app import Server
-
-    try:
-        tok = eng.gm.tokenizer
-        server = Server(backend, tok, model_name=args.model, eos=tok.eog_ids(), default_max_tokens=args.max_tokens,
-                        max_positions=eng.gm.n_ctx_train or None, prompt_limit=backend.cells if evicts else None,
-                        total_limit=None if evicts else backend.stream_cells, max_waiting=args.max_waiting,
-                        request_timeout=args.request_timeout, reasoning_parser=args.reasoning_parser,
-                        info={"model": args.model, "engine": "llama.cpp", "policy": args.policy,
-                              "budget": backend.budget, "ctx": backend.cells, "sequences": args.sequences,
-                              "kv": "streams" if backend.streams else "unified", "stream_cells": backend.stream_cells,
-                              "max_batch_tokens": args.max_batch_tokens, "threads": backend.threads,
-                              "llama_cpp": lib.load().version, "system_info": lib.system_info(),
-                              "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
-                              "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
-                              "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}})
-    except BaseException:
-        _stop_manager(backend)
-        raise
-    what = args.policy + (f" K={backend.budget}" if backend.budget else "")
-    cells = (f"{args.sequences} streams of {backend.stream_cells} cells" if backend.streams else
-             f"{backend.cells} cells, {args.sequences} sequences")
-    kv = backend.n_ctx * eng.gm.kv_bytes_per_cell(backend.type_kv)
-    cells += f", KV cache {kv / 2**20:.1f} MiB" if kv > 0 else ""
-    return server, lambda: _stop_manager(backend), f"llama.cpp, model {args.model}, {what}, {cells}"
 
 
 def _drain(server, userver, timeout: float) -> None:
@@ -359,10 +278,3 @@ def _QuietServer(cfg):
 def _ignore_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _stop_manager(manager) -> None:
-    try:
-        manager.stop(block=True, timeout=10)
-    except Exception as e:  # already stopped or crashed: nothing left to release
-        print(f"epikv serve: warning: stopping the engine: {type(e).__name__}: {e}", file=sys.stderr)

@@ -34,6 +34,7 @@ import threading
 import time
 
 from ..errors import EpiKVError
+from .config import ServeConfig
 
 APP = "epikv"
 ENGINE = "EngineReplica"  # the engine replicas' deployment (the Router is the app's ingress)
@@ -77,16 +78,13 @@ class EngineReplica:
     """One engine (either kind, as `epikv serve` builds it from the same options) with its own cache, behind the
     app of serving/app.py, which the Router's handle reaches through `forward`."""
 
-    def __init__(self, options: dict):
-        import argparse
-
+    def __init__(self, cfg: ServeConfig):
         import ray
         from ray import serve
 
-        from ..commands.serve import prepare
+        from .build import prepare
 
-        args = argparse.Namespace(**options)
-        self.server, self._stop_engine, self.banner = prepare(args)()
+        self.server, self._stop_engine, self.banner = prepare(cfg)()
         ctx = serve.get_replica_context()
         rid = getattr(ctx, "replica_id", None)
         self.replica = str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", os.getpid()))
@@ -286,34 +284,26 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def deployment_options(args) -> dict:
-    """Ray Serve's options for the deployment: replicas or autoscaling, a high max_ongoing_requests (the app does
+def deployment_options(cfg: ServeConfig) -> dict:
+    """Ray Serve's options for the deployment (the bounds were checked by the CLI): replicas or autoscaling, a high max_ongoing_requests (the app does
     its own admission: 429 past --max-waiting), health checks, and the drain's grace period."""
-    auto = args.min_replicas is not None or args.max_replicas is not None
-    if auto and args.replicas is not None:
-        raise EpiKVError("--replicas and --min-replicas / --max-replicas: give a fixed count or the autoscaling's "
-                         "bounds, not both")
+    auto = cfg.min_replicas is not None or cfg.max_replicas is not None
     opts = {"max_ongoing_requests": 1024, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
-            "graceful_shutdown_timeout_s": float(args.drain_timeout) + 5.0, "graceful_shutdown_wait_loop_s": 0.5,
+            "graceful_shutdown_timeout_s": float(cfg.drain_timeout) + 5.0, "graceful_shutdown_wait_loop_s": 0.5,
             "ray_actor_options": {"num_cpus": 1}}
     if auto:
-        lo = args.min_replicas or 1
-        hi = args.max_replicas
-        if hi is None:
-            raise EpiKVError("--min-replicas needs --max-replicas (the autoscaling's upper bound)")
-        if lo > hi:
-            raise EpiKVError(f"--min-replicas {lo} is above --max-replicas {hi}")
+        lo, hi = cfg.min_replicas or 1, cfg.max_replicas
         # a replica per `target` requests in flight (a llama.cpp replica decodes --sequences at once)
-        target = max(1, (args.sequences or 8) // 2)
+        target = max(1, (cfg.sequences or 8) // 2)
         opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
                                       "target_ongoing_requests": target, "upscale_delay_s": 5.0,
                                       "downscale_delay_s": 30.0}
     else:
-        opts["num_replicas"] = args.replicas or 1
+        opts["num_replicas"] = cfg.replicas or 1
     return opts
 
 
-def run_ray(args) -> int:
+def run_ray(cfg: ServeConfig) -> int:
     """`epikv serve --ray`: start (or join) Ray, deploy the replicas behind Serve's proxy on --host:--port, serve
     until a signal (the first drains every replica, a second stops at once), then shut Serve down; exit 0."""
     try:
@@ -321,11 +311,10 @@ def run_ray(args) -> int:
         from ray import serve
     except ImportError:
         raise EpiKVError("--ray needs Ray Serve: pip install 'epikv[ray,serve]'") from None
-    opts = deployment_options(args)
-    options = {k: v for k, v in vars(args).items() if k != "run"}
-    port = args.port or _free_port(args.host)
-    ray.init(address=args.ray_address, namespace=NAMESPACE, include_dashboard=False, configure_logging=False,
-             log_to_driver=args.log_level in ("info", "debug"))
+    opts = deployment_options(cfg)
+    port = cfg.port or _free_port(cfg.host)
+    ray.init(address=cfg.ray_address, namespace=NAMESPACE, include_dashboard=False, configure_logging=False,
+             log_to_driver=cfg.log_level in ("info", "debug"))
     stop = threading.Event()
     signals = []
     registry = None
@@ -339,8 +328,8 @@ def run_ray(args) -> int:
     try:
         registry = ray.remote(_Registry).options(name=REGISTRY, namespace=NAMESPACE, num_cpus=0,
                                                  get_if_exists=True).remote()
-        serve.start(http_options={"host": args.host, "port": port}, logging_config={"log_level": "WARNING"})
-        engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(options)
+        serve.start(http_options={"host": cfg.host, "port": port}, logging_config={"log_level": "WARNING"})
+        engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(cfg)
         router = serve.deployment(Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
                                   ray_actor_options={"num_cpus": 0}).bind(engines)
         try:
@@ -351,12 +340,12 @@ def run_ray(args) -> int:
                 from None
         n = opts.get("num_replicas") or f"{opts['autoscaling_config']['min_replicas']}.." \
                                         f"{opts['autoscaling_config']['max_replicas']}"
-        where = args.ray_address or "a local Ray instance"
-        print(f"epikv serve: listening on http://{args.host}:{port} (Ray Serve on {where}, {n} replica(s) of "
-              f"{args.engine}, model {args.model})", file=sys.stderr, flush=True)
+        where = cfg.ray_address or "a local Ray instance"
+        print(f"epikv serve: listening on http://{cfg.host}:{port} (Ray Serve on {where}, {n} replica(s) of "
+              f"{cfg.engine}, model {cfg.model})", file=sys.stderr, flush=True)
         while not stop.wait(0.2):
             pass
-        _drain(registry, args.drain_timeout, signals)
+        _drain(registry, cfg.drain_timeout, signals)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
