@@ -291,3 +291,54 @@ def test_the_ray_router_refuses_a_big_body_and_a_missing_key_itself():
     assert err["code"] == "invalid_api_key"
     with pytest.raises(AssertionError, match="forwarded"):  # a good request does reach the handle
         _route(router, body=b'{"prompt": "x"}', headers=auth)
+
+
+# ---------------------------------------------------------------------- the options, from the CLI to the Server
+def _config(*argv):
+    from epikv.cli import build_parser
+    from epikv.commands.serve import config
+
+    return config(build_parser().parse_args(["serve", "--model", "random:tiny", "--num-blocks", "16", *argv]))
+
+
+def test_the_options_reach_the_server(monkeypatch):
+    """--served-model-name, --max-request-bytes and --api-key (or $EPIKV_API_KEY) go through ServeConfig into the
+    torch engine's Server (a Ray replica builds the same). Mutant: build.py passing model_name=cfg.model (the local
+    folder's path stays the id)."""
+    from epikv.serving.build import prepare
+    from epikv.serving.guard import DEFAULT_MAX_REQUEST_BYTES
+
+    monkeypatch.delenv("EPIKV_API_KEY", raising=False)
+    plain = _config()
+    assert (plain.served_names, plain.max_request_bytes, plain.api_key) == (("random:tiny",),
+                                                                            DEFAULT_MAX_REQUEST_BYTES, None)
+    monkeypatch.setenv("EPIKV_API_KEY", "from-env")
+    assert _config().api_key == "from-env" and _config("--api-key", "given").api_key == "given"
+    assert "from-env" not in repr(_config())  # never printed with the config
+    cfg = _config("--served-model-name", "tiny", "tiny-alias", "--max-request-bytes", "5000", "--api-key", "k")
+    server, stop, _ = prepare(cfg)()
+    try:
+        assert (server.model_name, server.model_names) == ("tiny", ["tiny", "tiny-alias"])
+        assert (server.max_request_bytes, server.api_key) == (5000, "k")
+    finally:
+        server.close()
+        stop()
+
+
+@pytest.mark.parametrize("argv, needle", [(["--served-model-name", " "], "--served-model-name: a name must not"),
+                                          (["--api-key", ""], "--api-key: the key must be non-empty"),
+                                          (["--api-key", "a b"], "--api-key: the key must be non-empty")])
+def test_bad_http_options_exit_2_in_one_line(capsys, argv, needle):
+    from epikv.cli import main
+
+    assert main(["serve", "--model", "random:tiny", "--num-blocks", "16", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err, err
+
+
+def test_max_request_bytes_must_be_positive(capsys):
+    from epikv.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--num-blocks", "16", "--max-request-bytes", "0"])
+    assert e.value.code == 2 and "--max-request-bytes" in capsys.readouterr().err

@@ -77,7 +77,8 @@ def _start_torch(cfg: ServeConfig, lm, spec):
     try:
         # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
         # budget keeps the rest within K)
-        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=cfg.model, eos=eos,
+        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=cfg.served_names[0], aliases=cfg.served_names[1:],
+                        max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key, eos=eos,
                         default_max_tokens=cfg.max_tokens, max_positions=_max_positions(lm.model),
                         prompt_limit=capacity if cfg.evicts else None, total_limit=None if cfg.evicts else capacity,
                         max_waiting=cfg.max_waiting, request_timeout=cfg.request_timeout,
@@ -118,7 +119,9 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
 
     try:
         tok = gm.tokenizer
-        server = Server(backend, tok, model_name=cfg.model, eos=tok.eog_ids(), default_max_tokens=cfg.max_tokens,
+        server = Server(backend, tok, model_name=cfg.served_names[0], aliases=cfg.served_names[1:],
+                        max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key,
+                        eos=tok.eog_ids(), default_max_tokens=cfg.max_tokens,
                         max_positions=gm.n_ctx_train or None, prompt_limit=backend.cells if cfg.evicts else None,
                         total_limit=None if cfg.evicts else backend.stream_cells, max_waiting=cfg.max_waiting,
                         request_timeout=cfg.request_timeout, reasoning_parser=cfg.reasoning_parser,

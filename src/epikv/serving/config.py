@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .guard import DEFAULT_MAX_REQUEST_BYTES
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -47,6 +49,9 @@ class ServeConfig:
     request_timeout: float | None = None
     drain_timeout: float = 30.0
     log_level: str = "warning"
+    served_model_names: tuple[str, ...] = ()  # the names a request may give, the first in answers; (): model
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body gets 413
+    api_key: str | None = field(default=None, repr=False)  # the Bearer token /v1/ routes need; None: none
     # Ray Serve (--ray)
     ray: bool = False
     replicas: int | None = None
@@ -54,6 +59,10 @@ class ServeConfig:
     max_replicas: int | None = None
     ray_address: str | None = None
     ray_app_name: str | None = None  # None: a unique name is made when the server starts
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
 
     @property
     def evicts(self) -> bool:

@@ -331,7 +331,8 @@ def run_ray(cfg: ServeConfig) -> int:
         serve.start(http_options={"host": cfg.host, "port": port}, logging_config={"log_level": "WARNING"})
         engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(cfg)
         router = serve.deployment(Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
-                                  ray_actor_options={"num_cpus": 0}).bind(engines)
+                                  ray_actor_options={"num_cpus": 0}).bind(engines, cfg.max_request_bytes,
+                                                                          cfg.api_key)
         try:
             serve.run(router, name=APP, route_prefix="/", blocking=False)
         except Exception as e:  # a replica's constructor refused (a bad option, a missing model): one line
