@@ -87,8 +87,8 @@ def register(sub) -> None:
                         "answers and GET /v1/models carry, any of them is accepted as a request's model (default: "
                         "--model as given)")
     h.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help=f"a request body larger than this is answered 413 as it arrives, before it is read on "
-                        f"(default {DEFAULT_MAX_REQUEST_BYTES}: 2 MiB)")
+                   help=f"a request body of more bytes is answered 413 as it arrives, never parsed (default "
+                        f"{DEFAULT_MAX_REQUEST_BYTES}: 2 MiB)")
     h.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on the /v1/ routes (401 without it; /health, /stats, "
                         "/metrics stay open), as vLLM and llama-server do; default: $EPIKV_API_KEY if set, else no "

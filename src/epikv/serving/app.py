@@ -10,7 +10,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-s
 GET /health, GET /stats, GET /metrics (Prometheus). Sampling per request (temperature, top_p, top_k, min_p, seed;
 greedy when temperature is 0 or left out); a reasoning parser puts the thinking part of chat answers into
 `reasoning_content`; past --max-waiting requests without a token yet a request gets 429 with Retry-After; while
-draining (after SIGTERM) 503.
+draining (after SIGTERM) 503. Before any handler (serving/guard.py): 401 without --api-key's token on /v1/, 413 for a
+body over --max-request-bytes. Every refusal is an OpenAI error object.
 """
 
 
@@ -40,7 +41,7 @@ _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 # What each accepted field does here (docs/serve.md's request table is rendered from these and the sets above):
 # "openai" fields keep OpenAI's meaning within the limits stated; "extra" fields are not in OpenAI's API (vLLM has them)
 FIELD_NOTES = {
-    "model": ("openai", "optional; if given, the served model's name (else 400)"),
+    "model": ("openai", "optional; if given, a served name: `--served-model-name`, default `--model` (else 400)"),
     "prompt": ("openai", "a string, a list of token ids, or a list of one of these (one prompt per request)"),
     "messages": ("openai", "roles system / user / assistant; content a string or text parts (other part types: 400)"),
     "max_tokens": ("openai", "default `--max-tokens`; prompt + max_tokens must fit the model's positions"),
@@ -569,6 +570,8 @@ def _answers(whole: str, chunk: str) -> dict:
                                        "contentSchema": {"anyOf": [{"$ref": ref + chunk},
                                                                    {"$ref": ref + "ErrorResponse"}]}}]}}}}}},
             400: {**_ERR, "description": "a refused request: the field it names in error.param"},
+            401: {**_ERR, "description": "--api-key is set and the request lacks `Authorization: Bearer <key>`"},
+            413: {**_ERR, "description": "the body is larger than --max-request-bytes"},
             429: {**_ERR, "description": "--max-waiting requests wait for their first token (Retry-After)"},
             500: {**_ERR, "description": "the engine failed the request"},
             503: {**_ERR, "description": "draining after SIGTERM (Retry-After), or the engine is not running"},

@@ -310,11 +310,11 @@ class ErrorBody(BaseModel):
     message: str
     type: str = Field(description="invalid_request_error, rate_limit_error, server_error or timeout")
     param: str | None = Field(description="the refused field, where one is to blame")
-    code: None = None
+    code: str | None = Field(None, description="invalid_api_key (401), else null")
 
 
 class ErrorResponse(BaseModel):
-    """Every error (400, 429, 503, 504, 500); a streamed request that fails after its first chunk gets this object as
+    """Every error (400, 401, 404, 405, 413, 429, 503, 504, 500); a streamed request that fails after its first chunk gets this object as
     its last event instead, then `data: [DONE]`."""
 
     error: ErrorBody
