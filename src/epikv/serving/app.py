@@ -362,10 +362,7 @@ def parse_body(server: Server, raw: bytes, chat: bool) -> dict:
         raise BadRequest("the request body is not valid JSON") from None
     except RecursionError:
         raise BadRequest("the request body nests too deeply") from None
-    try:
-        return parse_request(server, body, chat)
-    except RecursionError:  # a deep value that decoded but is too deep to check
-        raise BadRequest("the request body nests too deeply") from None
+    return parse_request(server, body, chat)
 
 
 def parse_request(server: Server, body, chat: bool) -> dict:
