@@ -77,8 +77,9 @@ def _start_torch(cfg: ServeConfig, lm, spec):
     try:
         # a request must fit the whole cache: without eviction its prompt and answer, with it its prompt (the
         # budget keeps the rest within K)
-        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=cfg.served_names[0], aliases=cfg.served_names[1:],
-                        max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key, eos=eos,
+        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=cfg.served_names[0],
+                        aliases=cfg.served_names[1:], max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key,
+                        eos=eos,
                         default_max_tokens=cfg.max_tokens, max_positions=_max_positions(lm.model),
                         prompt_limit=capacity if cfg.evicts else None, total_limit=None if cfg.evicts else capacity,
                         max_waiting=cfg.max_waiting, request_timeout=cfg.request_timeout,

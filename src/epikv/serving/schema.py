@@ -139,11 +139,13 @@ class ChatCompletionRequest(_Common):
 
 
 # what each field must be, in the 400 that refuses it
-WANT = {"model": f"a string of at most {MAX_SHORT} characters", "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+WANT = {"model": f"a string of at most {MAX_SHORT} characters", "max_tokens": "an integer >= 1",
+        "max_completion_tokens": "an integer >= 1",
         "stream": "true or false", "ignore_eos": "true or false", "stream_options": "{include_usage: true|false}",
         "temperature": "a number >= 0", "top_p": "a number in (0, 1]",
         "top_k": "an integer >= -1 (-1 or 0: off)", "min_p": "a number in [0, 1]",
-        "seed": "an integer in [0, 2^63)", "n": "1 (one answer per request)", "user": f"a string of at most {MAX_SHORT} characters",
+        "seed": "an integer in [0, 2^63)", "n": "1 (one answer per request)",
+        "user": f"a string of at most {MAX_SHORT} characters",
         "frequency_penalty": "0 (penalties are not supported by this server)",
         "presence_penalty": "0 (penalties are not supported by this server)",
         "stop": f"a non-empty string of at most {MAX_SHORT} characters or a list of at most 4 of them",
@@ -314,8 +316,8 @@ class ErrorBody(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """Every error (400, 401, 404, 405, 413, 429, 503, 504, 500); a streamed request that fails after its first chunk gets this object as
-    its last event instead, then `data: [DONE]`."""
+    """Every error (400, 401, 404, 405, 413, 429, 503, 504, 500); a streamed request that fails after its first chunk
+    gets this object as its last event instead, then `data: [DONE]`."""
 
     error: ErrorBody
 
