@@ -342,3 +342,42 @@ def test_max_request_bytes_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--num-blocks", "16", "--max-request-bytes", "0"])
     assert e.value.code == 2 and "--max-request-bytes" in capsys.readouterr().err
+
+
+def test_under_ray_the_key_the_limit_and_the_error_shape_hold():
+    """`serve --ray` end to end (one replica on a local Ray instance): the router answers 401 without the key and
+    413 for a body over --max-request-bytes, the replica's app answers an unknown path in the OpenAI shape, and a
+    good request with the key and a --served-model-name is served. (Router and replica both check key and size:
+    the router's own checks are the fake-handle test above.) Mutants: guard.authorized always true (200, not 401);
+    the app's HTTPException handler left out (the 404 is FastAPI's {"detail": ...})."""
+    pytest.importorskip("ray.serve")
+    import signal
+
+    from test_serving_http import SERVE, Served
+
+    s = Served(["--ray", "--replicas", "1", *SERVE, "--api-key", "k", "--max-request-bytes", "5000",
+                "--served-model-name", "tiny"])
+    try:
+        def post(path, body, key=None):
+            req = urllib.request.Request(s.url + path, data=body, headers={
+                "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        small = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 3}).encode()
+        assert _openai_error(*post("/v1/completions", small), 401)["code"] == "invalid_api_key"
+        big = json.dumps({"model": "tiny", "prompt": "x" * 6000}).encode()
+        assert "5000 bytes" in _openai_error(*post("/v1/completions", big, "k"), 413)["message"]
+        assert _openai_error(*post("/nope", small, "k"), 404)
+        status, body = post("/v1/completions", small, "k")
+        assert status == 200 and body["model"] == "tiny" and body["choices"][0]["text"] is not None
+        assert s.get("/health") == {"status": "ok"}  # open without the key
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            s.proc.wait(90)
+        except Exception:  # noqa: BLE001
+            s.proc.kill()
