@@ -505,3 +505,32 @@ def test_client_leaving_mid_stream_frees_its_pages(served):
     assert st["http"]["cancelled"] == before["http"]["cancelled"] + 1
     assert st["http"]["completion_tokens"] == before["http"]["completion_tokens"]  # not counted as an answer
     assert served.client.completions.create(model=MODEL, prompt="next", max_tokens=4).choices[0].finish_reason
+
+
+def test_client_leaving_a_whole_request_frees_its_pages(served):
+    """Issue 55: a non-streamed request whose client hangs up is cancelled (nothing is sent before its answer, so
+    the app watches for the disconnect) and its pages return within a second, not after its 8,000 tokens.
+    Mutant: serving/app.py's _whole awaiting the answer alone (no _client_left): the pages stay held."""
+    import socket
+
+    before = served.get("/stats")
+    host, port = served.url.split("//")[1].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "A long answer", "max_tokens": 8000, "ignore_eos": True}).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    end = time.monotonic() + 30
+    st = served.get("/stats")
+    while not (st["engine"]["pages_in_use"] > 0 and st["http"]["running"] == 1) and time.monotonic() < end:
+        time.sleep(0.05)
+        st = served.get("/stats")
+    assert st["http"]["in_flight"] == 1 and st["engine"]["pages_in_use"] > 0, st
+    s.close()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        st = served.get("/stats")
+        if not st["http"]["in_flight"] and not st["engine"]["pages_in_use"]:
+            break
+        time.sleep(0.05)
+    assert st["http"]["in_flight"] == 0 and st["engine"]["pages_in_use"] == 0, st
+    assert st["http"]["cancelled"] == before["http"]["cancelled"] + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import os
 import signal
 import socket
 import sys
@@ -13,6 +14,7 @@ import time
 
 from ..errors import EpiKVError
 from ..serving.config import ServeConfig
+from ..serving.guard import DEFAULT_MAX_REQUEST_BYTES
 from ..serving.reasoning import PARSERS
 from .common import add_model_args, add_policy_args, nonneg_float, positive_int, settings_by_policy
 from .engines import FLASH_ATTN, THREADS_HELP, LlamaCppEngine, add_flash_attn_arg
@@ -88,6 +90,17 @@ def register(sub) -> None:
                    help="on SIGTERM / SIGINT: stop admitting (503), let requests in flight finish for up to this "
                         "many seconds, then end each open one with an error; exit 0 (default 30; a second signal "
                         "stops at once)")
+    h.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (vLLM's option; llama-server's --alias): the first is the one "
+                        "answers and GET /v1/models carry, any of them is accepted as a request's model (default: "
+                        "--model as given)")
+    h.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                   help=f"a request body of more bytes is answered 413 as it arrives, never parsed (default "
+                        f"{DEFAULT_MAX_REQUEST_BYTES}: 2 MiB)")
+    h.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on the /v1/ routes (401 without it; /health, /stats, "
+                        "/metrics stay open), as vLLM and llama-server do; default: $EPIKV_API_KEY if set, else no "
+                        "key")
     h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     r = p.add_argument_group("Ray Serve (--ray)")
@@ -155,6 +168,12 @@ def config(args) -> ServeConfig:
             raise EpiKVError("--min-replicas needs --max-replicas (the autoscaling's upper bound)")
         if (args.min_replicas or 1) > args.max_replicas:
             raise EpiKVError(f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}")
+    names = tuple(args.served_model_name or ())
+    if any(not n.strip() for n in names):
+        raise EpiKVError("--served-model-name: a name must not be empty")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("EPIKV_API_KEY") or None
+    if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
+        raise EpiKVError("--api-key: the key must be non-empty and hold no spaces (it travels in one header)")
     policy = args.policy
     if policy is None:
         from ..policies import default_policy
@@ -193,7 +212,8 @@ def config(args) -> ServeConfig:
         sequences=args.sequences, flash_attn=FLASH_ATTN[args.flash_attn], max_batch_tokens=args.max_batch_tokens,
         threads=args.threads, host=args.host, port=args.port, max_tokens=args.max_tokens,
         reasoning_parser=args.reasoning_parser, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
-        drain_timeout=args.drain_timeout, log_level=args.log_level, ray=args.ray, replicas=args.replicas,
+        drain_timeout=args.drain_timeout, log_level=args.log_level, served_model_names=names,
+        max_request_bytes=args.max_request_bytes, api_key=api_key, ray=args.ray, replicas=args.replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address,
         ray_app_name=args.ray_app_name)
 

@@ -10,7 +10,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-s
 GET /health, GET /stats, GET /metrics (Prometheus). Sampling per request (temperature, top_p, top_k, min_p, seed;
 greedy when temperature is 0 or left out); a reasoning parser puts the thinking part of chat answers into
 `reasoning_content`; past --max-waiting requests without a token yet a request gets 429 with Retry-After; while
-draining (after SIGTERM) 503.
+draining (after SIGTERM) 503. Before any handler (serving/guard.py): 401 without --api-key's token on /v1/, 413 for a
+body over --max-request-bytes. Every refusal is an OpenAI error object.
 """
 
 
@@ -29,6 +30,7 @@ from ..engine import Sampling
 from ..errors import EpiKVError
 from ..stops import StopStream
 from .backend import Backend, Output
+from .guard import DEFAULT_MAX_REQUEST_BYTES, Guard, error_response
 from .reasoning import ReasoningSplit
 from .schema import ChatCompletionRequest, CompletionRequest
 
@@ -39,7 +41,7 @@ _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 # What each accepted field does here (docs/serve.md's request table is rendered from these and the sets above):
 # "openai" fields keep OpenAI's meaning within the limits stated; "extra" fields are not in OpenAI's API (vLLM has them)
 FIELD_NOTES = {
-    "model": ("openai", "optional; if given, the served model's name (else 400)"),
+    "model": ("openai", "optional; if given, a served name: `--served-model-name`, default `--model` (else 400)"),
     "prompt": ("openai", "a string, a list of token ids, or a list of one of these (one prompt per request)"),
     "messages": ("openai", "roles system / user / assistant; content a string or text parts (other part types: 400)"),
     "max_tokens": ("openai", "default `--max-tokens`; prompt + max_tokens must fit the model's positions"),
@@ -127,17 +129,23 @@ class Server:
     cache: its prompt under eviction, prompt + answer without), None: no check. max_waiting: admitted requests
     without a token yet beyond which a request gets 429 (None: no bound). request_timeout: seconds a request may
     run before it is cancelled (None: no limit). reasoning_parser: a name of reasoning.PARSERS or None.
+    aliases: further names a request's `model` may give (--served-model-name); max_request_bytes: larger bodies get
+    413 (None: no limit); api_key: the Bearer token /v1/ routes require (None: none).
     """
 
     def __init__(self, backend: Backend, tokenizer, *, model_name: str, eos: list[int], default_max_tokens: int = 256,
                  max_positions: int | None = None, prompt_limit: int | None = None, total_limit: int | None = None,
                  info: dict | None = None, max_waiting: int | None = None, request_timeout: float | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, aliases: tuple[str, ...] = (),
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None):
         from .metrics import Metrics
 
         self.backend = backend
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # the name answers carry
+        self.model_names = list(dict.fromkeys([model_name, *aliases]))  # the names a request may give
+        self.max_request_bytes = max_request_bytes
+        self.api_key = api_key
         self.eos = set(int(e) for e in eos)
         self.default_max_tokens = default_max_tokens
         self.max_positions = max_positions
@@ -346,6 +354,17 @@ def _sampling(req, supported: frozenset) -> tuple[Sampling | None, int]:
     return sampling, secrets.randbits(63) if seed is None else seed
 
 
+def parse_body(server: Server, raw: bytes, chat: bool) -> dict:
+    """parse_request of a raw body: BadRequest for a body that is not JSON (or nests too deep to decode)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply") from None
+    return parse_request(server, body, chat)
+
+
 def parse_request(server: Server, body, chat: bool) -> dict:
     """The request as {input_ids, max_tokens, stream, stop, ignore_eos, sampling, seed, reasoning,
     usage_in_stream}, or BadRequest. `body`: the decoded JSON, validated here by the request model (schema.py);
@@ -356,8 +375,9 @@ def parse_request(server: Server, body, chat: bool) -> dict:
         req = validate(body, chat)
     except Refused as e:
         raise BadRequest(str(e), e.param) from None
-    if req.model is not None and req.model != server.model_name:
-        raise BadRequest(f"this server serves model {server.model_name!r}, not {req.model!r}", "model")
+    if req.model is not None and req.model not in server.model_names:
+        names = " or ".join(json.dumps(n) for n in server.model_names)
+        raise BadRequest(f"this server serves model {names}, not {json.dumps(req.model)}"[:300], "model")
     sampling, seed = _sampling(req, server.backend.sampling_fields)
     if req.ignore_eos and not server.per_request_eos:
         raise BadRequest("ignore_eos needs a transformers whose continuous batching takes a per-request EOS",
@@ -432,14 +452,29 @@ def build_app(server: Server, extra_stats=None, headers: dict | None = None, met
     from .. import __version__
     from . import schema
 
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="epikv serve", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.openapi = lambda: _openapi(app, server)
+    # checked before any handler runs, so that an oversized body is refused as it arrives (never parsed)
+    app.add_middleware(Guard, max_bytes=server.max_request_bytes, api_key=server.api_key)
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
               headers: dict | None = None):
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                            status_code=status, headers=headers)
+        return error_response(status, message, kind, param, headers=headers)
+
+    # FastAPI's own refusals (an unknown path: 404, a wrong method: 405) in the OpenAI error shape too
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return error(400, "the request does not match /openapi.json")
 
     @app.get("/health", response_model=None, responses={200: {"model": schema.Health}, 503: _ERR})
     async def health():
@@ -452,8 +487,8 @@ def build_app(server: Server, extra_stats=None, headers: dict | None = None, met
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": schema.ModelList}})
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": int(server.counters.started), "owned_by": "epikv"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(server.counters.started),
+                                            "owned_by": "epikv"} for name in server.model_names]}
 
     @app.get("/stats")
     async def stats():
@@ -470,13 +505,9 @@ def build_app(server: Server, extra_stats=None, headers: dict | None = None, met
         return Response(body, media_type=CONTENT_TYPE_LATEST, headers=headers)
 
     async def handle(request: Request, chat: bool):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            server.metrics.requests.labels("invalid").inc()
-            return error(400, "the request body is not valid JSON")
-        try:
-            req = parse_request(server, body, chat)
+        raw = await request.body()  # within --max-request-bytes (Guard)
+        try:  # decoding, validating and tokenizing a long prompt takes a while: off the event loop
+            req = await asyncio.to_thread(parse_body, server, raw, chat)
         except BadRequest as e:
             server.metrics.requests.labels("invalid").inc()
             return error(400, str(e), e.param)
@@ -496,7 +527,7 @@ def build_app(server: Server, extra_stats=None, headers: dict | None = None, met
         if req["stream"]:
             return StreamingResponse(_stream(server, rid, q, req, meta, chat, n_prompt),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(server, rid, q, req, meta, chat, n_prompt, error)
+        return await _whole(server, rid, q, req, meta, chat, n_prompt, error, request)
 
     @app.post("/v1/completions", response_model=None, openapi_extra=_body("CompletionRequest"),
               responses=_answers("CompletionResponse", "CompletionChunk"))
@@ -536,6 +567,8 @@ def _answers(whole: str, chunk: str) -> dict:
                                        "contentSchema": {"anyOf": [{"$ref": ref + chunk},
                                                                    {"$ref": ref + "ErrorResponse"}]}}]}}}}}},
             400: {**_ERR, "description": "a refused request: the field it names in error.param"},
+            401: {**_ERR, "description": "--api-key is set and the request lacks `Authorization: Bearer <key>`"},
+            413: {**_ERR, "description": "the body is larger than --max-request-bytes"},
             429: {**_ERR, "description": "--max-waiting requests wait for their first token (Retry-After)"},
             500: {**_ERR, "description": "the engine failed the request"},
             503: {**_ERR, "description": "draining after SIGTERM (Retry-After), or the engine is not running"},
@@ -574,7 +607,7 @@ def _openapi(app, server: Server) -> dict:
                 below_vocab(v)
 
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        comps[name]["properties"]["model"]["anyOf"] = [{"type": "string", "enum": [server.model_name]},
+        comps[name]["properties"]["model"]["anyOf"] = [{"type": "string", "enum": list(server.model_names)},
                                                        {"type": "null"}]
     below_vocab(comps["CompletionRequest"]["properties"]["prompt"])
     app.openapi_schema = doc
@@ -620,24 +653,44 @@ def _message(req, text: str) -> dict:
     return {"role": "assistant", "content": content or None, "reasoning_content": reasoning}
 
 
-async def _whole(server, rid, q, req, meta, chat, n_prompt, error):
+async def _last(server: Server, q: asyncio.Queue, deadline: float | None):
+    """The request's final output, or the failed one that ended it."""
+    while True:
+        out = await _next(server, q, deadline)
+        if _failed(out) or out.finished:
+            return out
+
+
+async def _client_left(request) -> None:
+    """Returns when the client disconnects: with its body read, the next ASGI message a request gets is that."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _whole(server, rid, q, req, meta, chat, n_prompt, error, request):
     from fastapi.responses import JSONResponse
 
     det = _Detok(server, req["stop"], req["ignore_eos"])
-    deadline = _deadline(server)
-    tokens: list[int] = []
+    # nothing is sent before the answer, so the server would not notice a client that left: watch for it, and
+    # cancel the request (its cache returns to the pool) as a stream is when its client leaves
+    last = asyncio.ensure_future(_last(server, q, _deadline(server)))
+    left = asyncio.ensure_future(_client_left(request))
     try:
-        while True:
-            out = await _next(server, q, deadline)
-            if _failed(out):
-                why, kind, status = _why(server, rid, out)
-                return error(status, why, kind=kind)
-            tokens = out.tokens
-            if out.finished:
-                break
-    except asyncio.CancelledError:  # the client left
+        await asyncio.wait((last, left), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancelled the handler
         server.cancel(rid)
         raise
+    finally:
+        for t in (last, left):
+            t.cancel()
+    if not last.done() or last.cancelled():  # the client left
+        server.cancel(rid)
+        return error(499, "the client closed the connection")
+    out = last.result()
+    if _failed(out):
+        why, kind, status = _why(server, rid, out)
+        return error(status, why, kind=kind)
+    tokens = out.tokens
     det.step(tokens, final=True)
     text_tokens = det.ids(server.visible(tokens, req["ignore_eos"]))  # cut with the text at a stop string
     finish = "stop" if det.stopped else server.finish_reason(tokens, req["max_tokens"])

@@ -77,7 +77,9 @@ def _start_torch(cfg: ServeConfig, lm, spec):
     try:
         # without eviction a request's prompt and answer must fit the whole cache; with it the engine says what
         # fits (prompt_refusal: a long prompt is evicted between its prefill chunks)
-        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=cfg.model, eos=eos,
+        server = Server(TransformersBackend(manager), lm.tokenizer, model_name=cfg.served_names[0],
+                        aliases=cfg.served_names[1:], max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key,
+                        eos=eos,
                         default_max_tokens=cfg.max_tokens, max_positions=_max_positions(lm.model),
                         total_limit=None if cfg.evicts else capacity,
                         max_waiting=cfg.max_waiting, request_timeout=cfg.request_timeout,
@@ -118,7 +120,9 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
 
     try:
         tok = gm.tokenizer
-        server = Server(backend, tok, model_name=cfg.model, eos=tok.eog_ids(), default_max_tokens=cfg.max_tokens,
+        server = Server(backend, tok, model_name=cfg.served_names[0], aliases=cfg.served_names[1:],
+                        max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key,
+                        eos=tok.eog_ids(), default_max_tokens=cfg.max_tokens,
                         max_positions=gm.n_ctx_train or None,
                         total_limit=None if cfg.evicts else backend.stream_cells, max_waiting=cfg.max_waiting,
                         request_timeout=cfg.request_timeout, reasoning_parser=cfg.reasoning_parser,

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..models import DEFAULT_MODEL
+from .guard import DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class ServeConfig:
     request_timeout: float | None = None
     drain_timeout: float = 30.0
     log_level: str = "warning"
+    served_model_names: tuple[str, ...] = ()  # the names a request may give, the first in answers; (): model
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body gets 413
+    api_key: str | None = field(default=None, repr=False)  # the Bearer token /v1/ routes need; None: none
     # Ray Serve (--ray)
     ray: bool = False
     replicas: int | None = None
@@ -57,6 +61,10 @@ class ServeConfig:
     max_replicas: int | None = None
     ray_address: str | None = None
     ray_app_name: str | None = None  # None: a unique name is made when the server starts
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
 
     @property
     def evicts(self) -> bool:

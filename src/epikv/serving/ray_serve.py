@@ -234,18 +234,28 @@ def _error(status: int, message: str, retry_after: int | None = None):
 
 class Router:
     """The ingress: streams each request to an engine replica through a deployment handle and relays the answer; a
-    replica that dies mid-answer ends it cleanly (an SSE error event, or a 503 when nothing was sent)."""
+    replica that dies mid-answer ends it cleanly (an SSE error event, or a 503 when nothing was sent). It answers
+    the API key (401) and the body's size (413) itself, before a body travels to a replica."""
 
-    def __init__(self, engines):
+    def __init__(self, engines, max_request_bytes: int | None = None, api_key: str | None = None):
         self.engines = engines
+        self.max_request_bytes, self.api_key = max_request_bytes, api_key
 
     async def __call__(self, request):
         from starlette.responses import Response, StreamingResponse
 
-        body = await request.body()
+        from .guard import TooLarge, authorized, protected, read_body, too_large, unauthorized
+
         path, root = request.scope["path"], request.scope.get("root_path", "")
         if root and path.startswith(root):  # the app answers under its route prefix: its own routes start at /
             path = path[len(root):] or "/"
+        raw = request.headers.raw
+        if self.api_key and protected(path) and not authorized(raw, self.api_key):
+            return unauthorized()
+        try:
+            body = await read_body(request.receive, raw, self.max_request_bytes)
+        except TooLarge as e:
+            return too_large(self.max_request_bytes, close=not e.drained)
         call = self.engines.options(stream=True).forward.remote(
             request.method, path, request.url.query.encode(), list(request.headers.raw), body)
         try:
@@ -390,7 +400,8 @@ def run_ray(cfg: ServeConfig) -> int:
         registry = ray.remote(_Registry).options(name=registry_name(app), namespace=NAMESPACE, num_cpus=0).remote()
         engines = serve.deployment(EngineReplica, name=ENGINE, **opts).bind(cfg)
         router = serve.deployment(Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
-                                  ray_actor_options={"num_cpus": 0}).bind(engines)
+                                  ray_actor_options={"num_cpus": 0}).bind(engines, cfg.max_request_bytes,
+                                                                          cfg.api_key)
         try:
             deployed = True  # from here on a failure leaves something of this application to delete
             serve.run(router, name=app, route_prefix=prefix, blocking=False)
