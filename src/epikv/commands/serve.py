@@ -4,8 +4,8 @@ continuous batching (pages) or on one llama.cpp context (`--engine llama.cpp`, s
 from __future__ import annotations
 
 import argparse
-import re
 import os
+import re
 import signal
 import socket
 import sys
