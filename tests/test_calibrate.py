@@ -12,19 +12,10 @@ import pytest
 import torch
 
 import epikv.calibrate as cal
-from epikv.cli import main
 from epikv.policies.learned import load_weights
+from test_learned import _cli
 
 N_LAYERS = 4  # random:tiny
-
-
-def _cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    cap = capsys.readouterr()
-    return code, cap.out, [l for l in cap.err.splitlines() if l.strip()]
 
 
 @pytest.fixture

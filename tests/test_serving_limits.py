@@ -18,18 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from test_serving_app import MSGS, App, Scripted  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tok(tiny):
-    return tiny.tokenizer
-
-
-def _app(request, tok, backend=None, **kw):
-    app = App(backend or Scripted(tok, eos=tok.eos_token_id), tok, **kw)
-    request.addfinalizer(app.close)
-    return app
+from test_serving_app import MSGS, App, Scripted, _app, tok  # noqa: E402,F401 (tok: the module's fixture)
 
 
 def _send(app, method, path, body=b"", headers=None, chunked=False):

@@ -242,6 +242,22 @@ def test_sigterm_drains_every_replica(ray_served):
     assert rc == 0 and "epikv serve: stopped" in err, err[-2000:]
 
 
+def _watch(stream, marker: str) -> tuple[threading.Event, list[str]]:
+    """Read a process's output on a thread: the lines so far, and an event set at `marker` (or when it ends)."""
+    seen = threading.Event()
+    lines: list[str] = []
+
+    def read():
+        for line in stream:
+            lines.append(line)
+            if marker in line:
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return seen, lines
+
+
 @contextlib.contextmanager
 def _ray_head(monkeypatch, cpus=4):
     """A Ray cluster started apart (`ray start --head --block`, as on a real cluster's head), in a temp dir of its
@@ -269,17 +285,7 @@ def _ray_head(monkeypatch, cpus=4):
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}",
                              f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-    started = threading.Event()
-    head_out: list[str] = []
-
-    def read():
-        for line in head.stdout:
-            head_out.append(line)
-            if "Ray runtime started" in line:
-                started.set()
-        started.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    started, head_out = _watch(head.stdout, "Ray runtime started")
     try:
         assert started.wait(180) and head.poll() is None, "".join(head_out)[-3000:]
         yield f"127.0.0.1:{port}", head
@@ -405,17 +411,7 @@ def test_sigterm_to_the_process_group_ends_a_local_server(monkeypatch, tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "epikv.cli", "serve", "--ray", *SERVE, "--port", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
-    err: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            err.append(line)
-            if "listening on" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    ready, err = _watch(proc.stderr, "listening on")
     try:
         assert ready.wait(300) and proc.poll() is None, "".join(err)[-3000:]
         os.killpg(proc.pid, signal.SIGTERM)

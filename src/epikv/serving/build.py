@@ -60,6 +60,12 @@ def _settings(settings: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
 
 
+def _queue_info(cfg: ServeConfig) -> dict:
+    """The request-handling options /stats reports for either engine."""
+    return {"reasoning_parser": cfg.reasoning_parser, "max_waiting": cfg.max_waiting,
+            "request_timeout": cfg.request_timeout, "drain_timeout": cfg.drain_timeout}
+
+
 def _start_torch(cfg: ServeConfig, lm, spec):
     from transformers import GenerationConfig
 
@@ -86,8 +92,7 @@ def _start_torch(cfg: ServeConfig, lm, spec):
                         reasoning_parser=cfg.reasoning_parser,
                         info={"model": cfg.model, "policy": spec.policy, "budget": spec.budget, "page": spec.page,
                               "num_blocks": spec.num_blocks, "max_batch_tokens": spec.max_batch_tokens,
-                              "reasoning_parser": cfg.reasoning_parser, "max_waiting": cfg.max_waiting,
-                              "request_timeout": cfg.request_timeout, "drain_timeout": cfg.drain_timeout,
+                              **_queue_info(cfg),
                               "settings": _settings(spec.settings)})
     except BaseException:
         stop_engine(manager)
@@ -131,8 +136,7 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
                               "kv": "streams" if backend.streams else "unified", "stream_cells": backend.stream_cells,
                               "max_batch_tokens": cfg.max_batch_tokens, "threads": backend.threads,
                               "llama_cpp": lib.load().version, "system_info": lib.system_info(),
-                              "reasoning_parser": cfg.reasoning_parser, "max_waiting": cfg.max_waiting,
-                              "request_timeout": cfg.request_timeout, "drain_timeout": cfg.drain_timeout,
+                              **_queue_info(cfg),
                               "settings": _settings(cfg.settings)})
     except BaseException:
         stop_engine(backend)
