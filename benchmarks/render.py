@@ -1074,13 +1074,39 @@ def pages() -> list[Path]:
     return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 
 
-def figure(out: Path = FIGURE) -> Path:
+FIGURE_SOURCE = "llamacpp/interleaved.json"  # the file the README's caption names
+FIGURE_KEY = "epikv-data"  # the PNG text chunk that says which raw file (and which bytes) a figure was drawn from
+
+
+def _stamp(rel: str) -> str:
+    import hashlib
+
+    return f"benchmarks/results/{rel} sha256:{hashlib.sha256(raw(rel).read_bytes()).hexdigest()}"
+
+
+def figure_problem(png: Path = FIGURE, rel: str = FIGURE_SOURCE) -> str | None:
+    """Why the figure does not show the raw file its caption names (None when it does): the stamp figure() writes
+    into the PNG must name that file and its current bytes, so a figure drawn from another or an older file fails."""
+    from PIL import Image
+
+    if not png.is_file():
+        return f"{png.relative_to(ROOT) if png.is_relative_to(ROOT) else png} is missing"
+    with Image.open(png) as im:
+        got = (getattr(im, "text", None) or {}).get(FIGURE_KEY)
+    want = _stamp(rel)
+    if got != want:
+        name = png.relative_to(ROOT) if png.is_relative_to(ROOT) else png
+        return f"{name} was drawn from {got or 'an unstamped source'}, not {want}: run python benchmarks/render.py --figure"
+    return None
+
+
+def figure(out: Path = FIGURE, rel: str = FIGURE_SOURCE) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    d = load_json("llamacpp/interleaved.json")
+    d = load_json(rel)
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
     for name, v in d["segments_tok_s"].items():
         xs = [(i + 1) * d["segment"] for i in range(len(v))]
@@ -1089,12 +1115,12 @@ def figure(out: Path = FIGURE) -> Path:
     ax.set_xlabel(f"generated tokens (end of each {d['segment']:,}-token segment)")
     ax.set_ylabel("decode tokens/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"SmolLM2-135M Q4_1 in llama.cpp, {_threads(d['threads'])} (interleaved.json)", fontsize=10)
+    ax.set_title(f"SmolLM2-135M Q4_1 in llama.cpp, {_threads(d['threads'])} ({Path(rel).name})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, metadata={"Software": None})
+    fig.savefig(out, metadata={"Software": None, FIGURE_KEY: _stamp(rel)})
     plt.close(fig)
     return out
 
@@ -1130,6 +1156,9 @@ def main(argv: list[str] | None = None) -> int:
                     t.write_text(new, encoding="utf-8")
         if args.figure and not args.check:
             figure()
+        if args.check and not args.pages and (why := figure_problem()):
+            stale.append(FIGURE)
+            print(f"render.py: {why}", file=sys.stderr)
     except RenderError as e:
         print(f"render.py: {e}", file=sys.stderr)
         return 2

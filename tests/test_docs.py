@@ -7,6 +7,7 @@ scripts/install.sh installs: a missing mkdocs fails here, it is not skipped."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import statistics
@@ -83,6 +84,31 @@ def test_a_number_edited_by_hand_is_caught():
     edited = text.replace("44.43", "80.00", 1)
     assert render.render_page(edited, "docs/llamacpp.md", {}) == text
     assert render.render_page(edited, "docs/llamacpp.md", {}) != edited
+
+
+def test_the_top_figure_shows_the_raw_file_its_caption_names(tmp_path, monkeypatch):
+    """docs/img/long-generation.png carries the path and sha256 of the raw file it was drawn from, and they are the
+    caption's file as committed. Mutants: a figure drawn from another raw file (a copy of it under another name), or from an older copy of
+    the named file (one figure changed), is named by the check, and `render.py --check` then exits 1."""
+    assert "drawn by `python benchmarks/render.py --figure` from `benchmarks/results/llamacpp/interleaved.json`" in \
+        " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert render.FIGURE_SOURCE == "llamacpp/interleaved.json"
+    assert render.figure_problem() is None
+    old = tmp_path / "results" / "llamacpp"
+    old.mkdir(parents=True)
+    d = json.loads((render.RESULTS / render.FIGURE_SOURCE).read_text(encoding="utf-8"))
+    # the same numbers under another name: the stamp names the file, not only the numbers
+    (old / "copy.json").write_text(json.dumps(d), encoding="utf-8")
+    # an older interleaved.json: one number differs
+    first = next(iter(d["segments_tok_s"]))
+    d["segments_tok_s"][first][-1] += 1.0
+    (old / "interleaved.json").write_text(json.dumps(d), encoding="utf-8")
+    monkeypatch.setattr(render, "RESULTS", tmp_path / "results")
+    other, stale = render.figure(tmp_path / "other.png", "llamacpp/copy.json"), render.figure(tmp_path / "stale.png")
+    monkeypatch.undo()
+    assert "llamacpp/copy.json" in render.figure_problem(other)
+    assert "sha256" in render.figure_problem(stale)
+    assert render.figure_problem(tmp_path / "missing.png").endswith("is missing")
 
 
 def test_a_cli_option_added_to_the_parser_shows_in_the_reference():
