@@ -14,7 +14,7 @@ import time
 from ..errors import EpiKVError
 from ..serving.reasoning import PARSERS
 from .common import add_model_args, add_policy_args, load, nonneg_float, positive_int, settings_by_policy
-from .engines import FLASH_ATTN, THREADS_HELP, add_flash_attn_arg
+from .engines import THREADS_HELP, add_cache_type_args, add_flash_attn_arg
 
 _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -61,6 +61,7 @@ def register(sub) -> None:
     c.add_argument("--sequences", type=positive_int, default=None,
                    help="sequences decoded at once, at most (required; up to 256)")
     add_flash_attn_arg(c)
+    add_cache_type_args(c)
     p.add_argument("--max-batch-tokens", type=positive_int, default=256,
                    help="tokens per forward pass (prefill chunks + one per decoding request; default 256)")
     h = p.add_argument_group("http")
@@ -181,7 +182,10 @@ def prepare(args):
     if args.engine == "llama.cpp":
         return _prepare_llamacpp(args, settings, evicts)
     given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv),
-                            ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn)) if v is not None]
+                            ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn),
+                            ("--cache-type-k", None if args.cache_type_k == "f16" else args.cache_type_k),
+                            ("--cache-type-v", None if args.cache_type_v == "f16" else args.cache_type_v),
+                            ("--kv-memory", args.kv_memory)) if v is not None]
     if given:
         raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
                          "--num-blocks pages of --page tokens")
@@ -278,12 +282,16 @@ def _prepare_llamacpp(args, settings: dict, evicts: bool):
                          "sequences decoded at once)")
     from .engines import LlamaCppEngine
 
-    eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF: refused here in one line
+    eng = LlamaCppEngine(args)  # torch-only flags, llama.cpp missing, a bad GGUF, bad cell types: refused in one line
+    if args.kv_memory is not None:  # a sequence's peak KV bytes, cells and policy buffers: the budget it picks
+        args.budget = eng.budget_for_memory(args.policy, args.tau, **settings)
     from ..serving.llamacpp import LlamaBackend
 
     backend = LlamaBackend(eng.gm, args.policy, args.budget if evicts else None, args.tau, ctx=args.ctx,
                            sequences=args.sequences, max_batch_tokens=args.max_batch_tokens, threads=args.threads,
-                           kv=args.kv, flash_attn=FLASH_ATTN[args.flash_attn], **settings)
+                           kv=args.kv, flash_attn=eng.flash_attn, type_k=eng.type_k, type_v=eng.type_v, **settings)
+    for note in eng.notes:
+        print(note, file=sys.stderr)
     return lambda: _start_llamacpp(args, settings, evicts, eng, backend)
 
 
@@ -301,6 +309,7 @@ def _start_llamacpp(args, settings, evicts, eng, backend):
                               "budget": backend.budget, "ctx": backend.cells, "sequences": args.sequences,
                               "kv": "streams" if backend.streams else "unified", "stream_cells": backend.stream_cells,
                               "max_batch_tokens": args.max_batch_tokens, "threads": backend.threads,
+                              "cache_type_k": backend.type_k, "cache_type_v": backend.type_v,
                               "llama_cpp": lib.load().version, "system_info": lib.system_info(),
                               "reasoning_parser": args.reasoning_parser, "max_waiting": args.max_waiting,
                               "request_timeout": args.request_timeout, "drain_timeout": args.drain_timeout,
@@ -311,8 +320,9 @@ def _start_llamacpp(args, settings, evicts, eng, backend):
     what = args.policy + (f" K={backend.budget}" if backend.budget else "")
     cells = (f"{args.sequences} streams of {backend.stream_cells} cells" if backend.streams else
              f"{backend.cells} cells, {args.sequences} sequences")
-    kv = backend.n_ctx * eng.gm.kv_bytes_per_cell(backend.type_kv)
-    cells += f", KV cache {kv / 2**20:.1f} MiB" if kv > 0 else ""
+    kv = backend.n_ctx * backend.cell_bytes
+    types = f" {backend.type_k}/{backend.type_v}" if (backend.type_k, backend.type_v) != ("f16", "f16") else ""
+    cells += f", KV cache{types} {kv / 2**20:.1f} MiB" if kv > 0 else ""
     return server, lambda: _stop_manager(backend), f"llama.cpp, model {args.model}, {what}, {cells}"
 
 
