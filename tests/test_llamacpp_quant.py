@@ -54,39 +54,43 @@ def _greedy(dec, prompt: list[int], steps: int) -> list[int]:
 def test_quantized_cells_evict_and_their_peak_is_llama_cpps_state(gm, cell):
     """On q8_0 / q4_0 cells (flash attention switched on, as llama.cpp requires) a sequence under Seg-Q evicts; its
     cells equal llama.cpp's own count, a cell's bytes from the type sizes equal llama.cpp's state growth per cell,
-    and at every eviction (the peak moment: after the step, before seq_rm) the cells' bytes epikv counts are
-    llama_state_seq_get_size's; the peak is those bytes plus the buffers reported (the mirror's rows, measured on the
-    mirror itself, the rows waiting for their statistic, the queries). Mutants: a wrong block size in CACHE_TYPES
-    (q8_0 34 -> 32 bytes), a peak that leaves the mirror out."""
+    and after every decode (before its eviction) the cells' bytes are what llama_state_seq_get_size says; the peak
+    is the largest of those plus the buffers held at that moment, measured here on the buffers themselves (the
+    mirror's rows, the rows waiting for their statistic, the queries). Mutants: a wrong block size in CACHE_TYPES
+    (q8_0 34 -> 32 bytes), a peak that leaves the mirror (or the waiting rows) out."""
     from epikv.llamacpp import LlamaDecoder
     from epikv.llamacpp.kvtypes import cell_bytes
+    from epikv.llamacpp.lib import load
 
-    ll = __import__("epikv.llamacpp.lib", fromlist=["load"]).load().ll
+    ll = load().ll
     dec = LlamaDecoder(gm, "epikv-seg-q", 40, tau=8, max_tokens=120, threads=1, type_k=cell, type_v=cell)
     per_cell = cell_bytes(gm, cell, cell)
     assert dec.cells.per_cell == per_cell + META_BYTES  # the type sizes are llama.cpp's own
     assert per_cell < cell_bytes(gm, "f16", "f16") // 1.8
-    seen = []
+    moments = []
+    note = dec._note_peak
 
-    def at_evict(seq, keep):
-        n = seq.stored()
-        state = int(ll.llama_state_seq_get_size(seq.ctx if hasattr(seq, "ctx") else dec.ctx, 0))
-        assert seq.cell_count() == n  # llama.cpp's own count of the sequence's cells
-        kv = seq._kv
-        mirror = n * kv[:, :, :, 0].numel() * kv.element_size()
-        seen.append((state - dec.cells.base - n * META_BYTES, n, mirror))
+    def measured():  # after a decode, before the sequence scores or evicts
+        note()
+        n = dec.stored()
+        assert dec.cell_count() == n  # llama.cpp's own count of the sequence's cells
+        cells = int(ll.llama_state_seq_get_size(dec.ctx, 0)) - dec.cells.base - n * META_BYTES
+        kv = dec._kv
+        mirror = 0 if kv is None else n * kv[:, :, :, 0].numel() * kv.element_size()
+        waiting = sum(a.nbytes for r in dec._rows for a in r.values()) + \
+            sum(a.nbytes for r in dec._arriving for a in r.values())
+        queries = sum(q.numel() * q.element_size() for q in dec._queries.values())
+        moments.append((cells + mirror + waiting + queries, cells, n, mirror))
 
-    dec.on_evict = at_evict
+    dec._note_peak = measured
     _greedy(dec, _ids(gm, 12), 90)
-    assert dec.evictions > 3 and seen
-    assert dec.cell_count() == dec.stored()
-    for cells_bytes, n, _ in seen:
-        assert cells_bytes == n * per_cell
-    top = max(seen)
+    assert dec.evictions > 3 and dec.cell_count() == dec.stored()
+    for total, cells, n, _ in moments:
+        assert cells == n * per_cell
+    top = max(moments)
     p = dec.peak
-    assert (p["cell_bytes"], p["cells"]) == (top[0], top[1]) == (top[1] * per_cell, 40 + 8)
-    assert p["mirror_bytes"] == top[2] > 0
-    assert p["bytes"] == p["cell_bytes"] + p["mirror_bytes"] + p["pending_bytes"] + p["query_bytes"]
+    assert (p["bytes"], p["cell_bytes"], p["cells"], p["mirror_bytes"]) == top and top[3] > 0
+    assert dec.max_cells == max(m[2] for m in moments) == 40 + 8  # K + tau: the step's token before the eviction
     assert dec.peak_report()["kv_peak_buffer_bytes"] == p["bytes"] - p["cell_bytes"] > 0
     dec.close()
 
@@ -127,7 +131,7 @@ def test_kv_memory_picks_the_largest_budget_that_fits(gm, policy, cell):
     dec = LlamaDecoder(gm, pol, k, max_tokens=k + 60, threads=1, type_k=cell, type_v=cell)
     _greedy(dec, _ids(gm, 6), k + 20)
     assert dec.evictions > 0
-    assert dec.peak["cells"] == plan_peak(gm, pol, k, cell, cell).cells == k + 4
+    assert dec.max_cells == plan_peak(gm, pol, k, cell, cell).cells == k + 4
     assert dec.peak["bytes"] <= plan.total <= memory
     dec.close()
 
@@ -224,55 +228,55 @@ def test_context_shift_keeps_n_keep_and_renumbers_contiguously(gm):
         assert dec.cache_bounds() == (0, n - 1) and dec.cell_count() == n  # contiguous after every step
         assert n <= cells - 1
     got = [(s["n_keep"], s["n_discard"], s["at"]) for s in dec.shifts]
-    # epikv shifts after the step that fills the cells, llama-server before the next decode: the same state
-    assert got == [(k, d, at - 1) for k, d, at in _shifts_by_rule(len(prompt), steps, cells, n_keep)][:len(got)]
+    # epikv shifts after the step that fills the cells, llama-server before the next decode: the same state, at the
+    # same count of tokens seen
+    assert got == _shifts_by_rule(len(prompt), steps, cells, n_keep)[:len(got)]
     assert len(got) >= 3 and all(k == list(range(n_keep)) for k in kept)
     assert dec.next_pos == dec.stored()
     dec.close()
 
 
 def test_context_shift_logits_match_llama_cpp_doing_it_by_hand(gm):
-    """The same shift done with llama.cpp's calls alone on a second sequence of the context (seq_rm, seq_add, as
-    llama-server does) gives the same next-token logits as the engine's sequence; without the shift (mutant:
-    no seq_add) they differ."""
+    """The same shifts done with llama.cpp's calls alone (seq_rm, seq_add, as llama-server's pre_decode does them)
+    on a second context of the same size fed the same tokens give bit-identical next-token logits at every step.
+    Mutants: n_discard = n_left / 2 + 1 (different cells kept), n_keep off by one."""
     from epikv.llamacpp import LlamaDecoder
     from epikv.llamacpp.lib import load
 
     ll = load().ll
     cells, n_keep = 24, 4
-    dec = LlamaDecoder(gm, "context-shift", cells, max_tokens=120, threads=1, n_seq_max=2, n_keep=n_keep,
+    dec = LlamaDecoder(gm, "context-shift", cells, max_tokens=120, threads=1, n_keep=n_keep, flash_attn=False)
+    ref = LlamaDecoder(gm, "full", None, max_tokens=120, threads=1, n_ctx=dec.n_ctx, n_batch=dec.n_batch,
                        flash_attn=False)
-    b = ll.llama_batch_init(64, 0, 1)
+    b = ref.batch
 
-    def oracle(tokens: list[int], pos0: int) -> np.ndarray:
+    def by_hand(tokens: list[int], pos0: int) -> np.ndarray:
         b.n_tokens = len(tokens)
         for j, t in enumerate(tokens):
             b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, pos0 + j, 1, int(j == len(tokens) - 1)
-            b.seq_id[j][0] = 1
-        assert ll.llama_decode(dec.ctx, b) == 0
-        return np.ctypeslib.as_array(ll.llama_get_logits_ith(dec.ctx, len(tokens) - 1), shape=(dec.n_vocab,)).copy()
+            b.seq_id[j][0] = 0
+        assert ll.llama_decode(ref.ctx, b) == 0
+        return np.ctypeslib.as_array(ll.llama_get_logits_ith(ref.ctx, len(tokens) - 1), shape=(ref.n_vocab,)).copy()
 
     prompt = _ids(gm, 8, seed=3)
     mine = dec.prefill(prompt)
-    theirs, n = oracle(prompt, 0), len(prompt)
-    mem = ll.llama_get_memory(dec.ctx)
+    theirs, n = by_hand(prompt, 0), len(prompt)
     shifted = 0
     for _ in range(40):
+        assert np.array_equal(mine, theirs), f"max |dlogit| {np.abs(mine - theirs).max()} after {shifted} shifts"
         tok = int(np.argmax(mine))
-        assert np.allclose(mine, theirs, atol=1e-3)
         if n + 1 >= cells:  # llama-server's pre_decode
-            left = n - n_keep
-            disc = left // 2
-            ll.llama_memory_seq_rm(mem, 1, n_keep, n_keep + disc)
-            ll.llama_memory_seq_add(mem, 1, n_keep + disc, n, -disc)
+            disc = (n - n_keep) // 2
+            ll.llama_memory_seq_rm(ref.mem, 0, n_keep, n_keep + disc)
+            ll.llama_memory_seq_add(ref.mem, 0, n_keep + disc, n, -disc)
             n -= disc
             shifted += 1
-        theirs = oracle([tok], n)
+        theirs = by_hand([tok], n)
         n += 1
         mine = dec.step(tok)
     assert shifted >= 2 and len(dec.shifts) == shifted
-    ll.llama_batch_free(b)
     dec.close()
+    ref.close()
 
 
 # -- the same against llama-server --context-shift ----------------------------------------------------------------------

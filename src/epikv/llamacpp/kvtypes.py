@@ -114,6 +114,7 @@ class PeakPlan:
     mirror_cell: int
     pending: int
     queries: int
+    prompt_moment: int = 0  # bytes at the prompt's last chunk (plan_peak), when more than the step's
 
     @property
     def kv(self) -> int:
@@ -125,11 +126,13 @@ class PeakPlan:
 
     @property
     def total(self) -> int:
-        return self.kv + self.buffers
+        return max(self.kv + self.buffers, self.prompt_moment)
 
     def describe(self) -> str:
+        at_prompt = (f"; {fmt_bytes(self.prompt_moment)} with the prompt's rows waiting"
+                     if self.prompt_moment > self.kv + self.buffers else "")
         return (f"K = {self.budget} (peak {self.cells} cells: {fmt_bytes(self.kv)} of cells + "
-                f"{fmt_bytes(self.buffers)} of policy buffers = {fmt_bytes(self.total)})")
+                f"{fmt_bytes(self.buffers)} of policy buffers{at_prompt}; at most {fmt_bytes(self.total)})")
 
 
 def peak_cells(policy, budget: int) -> int:
@@ -161,8 +164,9 @@ def per_token_buffers(gm, policy, mirror_elem: int = 2) -> dict[str, int]:
 def plan_peak(gm, policy, budget: int, type_k: str = "f16", type_v: str = "f16") -> PeakPlan:
     """The planned peak KV bytes of one sequence under `policy` at budget K, for these cell types, for a prompt of
     at most K - recent tokens (what a protected prompt may be): the larger of two moments,
-    - a step at the peak: peak_cells x (cell + mirror row), the rows waiting to be scored (hidden-state policies
-      defer scoring up to the recent window: sequence.flush) or for their statistic (one step's), the queries;
+    - a step at the peak: peak_cells x (cell + mirror row), the rows waiting to be scored or for their statistic
+      (up to the recent window for the hidden-state policies, whose scoring is deferred: sequence.flush; one
+      step's for the others), the queries;
     - the prompt's last chunk: K - recent cells with the mirror's rows, every prompt row still waiting."""
     from ..policies.hidden import HiddenStatePolicy
 
@@ -170,11 +174,12 @@ def plan_peak(gm, policy, budget: int, type_k: str = "f16", type_v: str = "f16")
     cell = cell_bytes(gm, type_k, type_v)
     cells = peak_cells(policy, budget)
     recent = policy.recent_window(budget)
+    # the hidden-state policies (Seg and Seg-Q among them) defer scoring up to the recent window (sequence.flush):
+    # their hidden rows and arriving keys / values wait that long; any other policy's, one step
     wait = max(1, recent) if isinstance(policy, HiddenStatePolicy) else 1
-    step = PeakPlan(budget, cells, cell, b["mirror"], wait * b["hidden"] + b["arriving"], b["queries"])
     p = max(1, budget - recent)
-    prompt = PeakPlan(budget, p, cell, b["mirror"], p * (b["hidden"] + b["arriving"]), b["queries"])
-    return max(step, prompt, key=lambda x: x.total)
+    prompt = p * (cell + b["mirror"] + b["hidden"] + b["arriving"]) + b["queries"]
+    return PeakPlan(budget, cells, cell, b["mirror"], wait * (b["hidden"] + b["arriving"]), b["queries"], prompt)
 
 
 def budget_for_memory(gm, policy, memory: int, type_k: str = "f16", type_v: str = "f16") -> PeakPlan:

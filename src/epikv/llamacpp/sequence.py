@@ -111,7 +111,8 @@ class SequenceCache:
         self.cell_bytes = cell_bytes
         self._pending_bytes = 0  # bytes of _rows and _arriving
         self.peak: dict[str, int] = {"bytes": 0, "cells": 0, "cell_bytes": 0, "mirror_bytes": 0, "pending_bytes": 0,
-                                     "query_bytes": 0}
+                                     "query_bytes": 0}  # at the moment of the most bytes
+        self.max_cells = 0  # the most cells held at once (after a decode, before its eviction)
         # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
         # any other policy is fed every step, as the torch engine does
         self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
@@ -190,14 +191,17 @@ class SequenceCache:
         mirror = 0 if kv is None else n * (kv.numel() // kv.shape[3]) * kv.element_size()
         queries = sum(q.numel() * q.element_size() for q in self._queries.values())
         total = n * self.cell_bytes + mirror + self._pending_bytes + queries
+        self.max_cells = max(self.max_cells, n)
         if total > self.peak["bytes"]:
             self.peak = {"bytes": total, "cells": n, "cell_bytes": n * self.cell_bytes, "mirror_bytes": mirror,
                          "pending_bytes": self._pending_bytes, "query_bytes": queries}
 
     def peak_report(self) -> dict:
-        """The peak as reports carry it: kv_peak_bytes (cells + buffers) and its parts."""
+        """The peak as reports carry it: kv_peak_bytes (cells + buffers) and its parts at that moment, and the most
+        cells held at any moment (kv_peak_cells: K + tau for the default schedule; the byte peak may fall a step
+        earlier, when more rows wait to be scored)."""
         p = self.peak
-        return {"kv_peak_bytes": p["bytes"], "kv_peak_cells": p["cells"], "kv_peak_cell_bytes": p["cell_bytes"],
+        return {"kv_peak_bytes": p["bytes"], "kv_peak_cells": self.max_cells, "kv_peak_cell_bytes": p["cell_bytes"],
                 "kv_peak_buffer_bytes": p["bytes"] - p["cell_bytes"], "kv_peak_mirror_bytes": p["mirror_bytes"],
                 "kv_peak_pending_bytes": p["pending_bytes"], "kv_peak_query_bytes": p["query_bytes"]}
 

@@ -267,7 +267,7 @@ class LlamaBackend(Backend):
     def _peak_stats(self) -> dict:
         live, ended = self._peak_live, self._peak_ended
         p = live if live.get("bytes", 0) > ended.get("bytes", 0) else ended
-        return {"kv_peak_bytes": p.get("bytes", 0), "kv_peak_cells": p.get("cells", 0),
+        return {"kv_peak_bytes": p.get("bytes", 0), "kv_peak_cells_at_peak": p.get("cells", 0),
                 "kv_peak_buffer_bytes": p.get("bytes", 0) - p.get("cell_bytes", 0)}
 
     def _totals(self) -> tuple[int, int]:
