@@ -114,11 +114,13 @@ def test_cache_type_names_are_ggmls(gm):
 
 # -- 2. --kv-memory ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy,cell", [("random", "f16"), ("epikv-seg-q", "q8_0"), ("epikv", "q4_0")])
+@pytest.mark.parametrize("policy,cell", [("random", "f16"), ("epikv-seg-q", "q8_0"), ("epikv", "q4_0"),
+                                         ("epikv", "f16")])
 def test_kv_memory_picks_the_largest_budget_that_fits(gm, policy, cell):
     """budget_for_memory's K: its planned peak fits the memory and K + 1's does not; a real run at K reaches the
     planned peak cells, and its measured peak bytes (cells as stored + buffers) stay within the memory. Mutants: a
-    peak of K + tau - 1 cells (the run holds one more), a plan without the waiting rows (the epikv run exceeds)."""
+    peak of K + tau - 1 cells (the run holds one more), a plan in which rows wait one step only (the epikv run on
+    f16 cells, where a step's moment is the peak, exceeds the memory)."""
     from epikv.llamacpp import LlamaDecoder
     from epikv.llamacpp.kvtypes import budget_for_memory, cell_bytes, plan_peak
     from epikv.policies import get_policy
@@ -128,8 +130,8 @@ def test_kv_memory_picks_the_largest_budget_that_fits(gm, policy, cell):
     plan = budget_for_memory(gm, pol, memory, cell, cell)
     k = plan.budget
     assert plan.total <= memory < plan_peak(gm, pol, k + 1, cell, cell).total
-    dec = LlamaDecoder(gm, pol, k, max_tokens=k + 60, threads=1, type_k=cell, type_v=cell)
-    _greedy(dec, _ids(gm, 6), k + 20)
+    dec = LlamaDecoder(gm, pol, k, max_tokens=k + 80, threads=1, type_k=cell, type_v=cell)
+    _greedy(dec, _ids(gm, 6), k + 60)
     assert dec.evictions > 0
     assert dec.max_cells == plan_peak(gm, pol, k, cell, cell).cells == k + 4
     assert dec.peak["bytes"] <= plan.total <= memory
@@ -186,6 +188,35 @@ def test_generate_says_flash_attention_and_kv_memory_pick():
              "--kv-memory", "1MiB", "--policy", "streaming")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "flash attention switched on" in r.stderr and re.search(r"--kv-memory 1048576 bytes .* K = \d+", r.stderr)
+
+
+def test_served_stats_give_the_peak_of_quantized_sequences(gm, request):
+    """`/stats` of the llama.cpp backend on q8_0 cells (flash attention on) names the cell types and gives the
+    largest peak KV bytes of its sequences, running or ended, as each sequence measured it. Mutant: an ended
+    sequence's peak forgotten (the figure drops to 0 once requests finish)."""
+    from epikv.serving.llamacpp import LlamaBackend
+
+    be = LlamaBackend(gm, "epikv-seg-q", 48, 8, sequences=2, max_batch_tokens=64, threads=1, flash_attn=True,
+                      type_k="q8_0", type_v="q8_0")
+    request.addfinalizer(be.stop)
+    peaks, end = [], be._end
+
+    def ended(r):  # each sequence's own peak as it ends
+        if r.seq is not None:
+            peaks.append(r.seq.peak["bytes"])
+        end(r)
+
+    be._end = ended
+    for k in range(2):
+        be.submit(str(k), _ids(gm, 10, seed=k), 70, sampling=None, seed=k, ignore_eos=True)
+    done = 0
+    while done < 2:
+        o = be.next_output(120)
+        assert o is not None and o.error is None
+        done += o.finished
+    st = be.stats()
+    assert (st["cache_type_k"], st["cache_type_v"]) == ("q8_0", "q8_0") and st["evictions"] > 0
+    assert st["kv_peak_bytes"] == max(peaks) > 0 and st["kv_peak_buffer_bytes"] > 0
 
 
 # -- 3. context-shift --------------------------------------------------------------------------------------------------
