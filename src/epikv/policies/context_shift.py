@@ -12,7 +12,8 @@ from .base import Policy
 class ContextShift(Policy):
     """llama.cpp's context shift (`llama-server --context-shift`): when full, keep n_keep, drop half the rest, renumber.
 
-    When a sequence's cells are full (K = its cells; before the next token when n + 1 >= K), keep the first n_keep
+    When a sequence's cells are full (K = its cells; before the next token when n + 1 >= K; with tau > 1, before
+    the next tau tokens when n + tau >= K, as `retention` feeds them), keep the first n_keep
     tokens, discard half of the rest, oldest first (n_discard = (n - n_keep) / 2, at most n - n_keep - 1), and
     renumber the survivors' positions down by n_discard (`llama_memory_seq_add`, which re-rotates their cached
     keys). Reads nothing but the token count.
@@ -31,10 +32,12 @@ class ContextShift(Policy):
     renumbers_positions: ClassVar[bool] = True
 
     def should_evict(self, length, budget, steps, decode_slots):
-        return length + 1 >= budget  # llama-server shifts before a decode when n_tokens + 1 >= the slot's n_ctx
+        # llama-server shifts before a decode when n_tokens + 1 >= the slot's n_ctx; epikv shifts after the step
+        # when the next tau tokens (one a step; `retention` feeds chunks of tau) would not fit in K - 1 cells
+        return length + self.tau >= budget
 
     def peak_cells(self, budget: int) -> int:
-        return budget - 1  # a shift follows the step that brings the sequence to K - 1 cells
+        return budget - 1  # the sequence never holds more than K - 1 cells (a shift makes room for the next step)
 
     def recent_window(self, budget: int) -> int:
         return 1  # the newest token always stays (n_discard <= n_left - 1)
