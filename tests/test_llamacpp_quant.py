@@ -310,6 +310,23 @@ def test_context_shift_logits_match_llama_cpp_doing_it_by_hand(gm):
     ref.close()
 
 
+def test_context_shift_in_chunks_of_tau_stays_below_k(gm):
+    """Fed chunks of tau tokens (as `retention` feeds a trace), context-shift shifts before a chunk would pass
+    K - 1 cells, so the peak is at most K - 1 cells, as planned. Mutant: the one-token rule (n + 1 >= K) with chunks."""
+    from epikv.llamacpp import LlamaDecoder
+    from epikv.llamacpp.kvtypes import peak_cells
+    from epikv.policies import get_policy
+
+    pol = get_policy("context-shift", tau=8, n_keep=4)
+    dec = LlamaDecoder(gm, pol, 50, max_tokens=200, threads=1, n_batch=16)
+    ids = _ids(gm, 150, seed=5)
+    dec.prefill(ids[:10])
+    for s in range(10, 150, 8):
+        dec.feed(ids[s:s + 8], all_logits=True)
+    assert len(dec.shifts) >= 3 and dec.max_cells <= peak_cells(pol, 50) == 49
+    dec.close()
+
+
 # -- the same against llama-server --context-shift ----------------------------------------------------------------------
 
 def _llama_server() -> Path | None:
