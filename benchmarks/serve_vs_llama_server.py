@@ -112,15 +112,17 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("the server was not healthy in time")
 
 
-def row_spec(name: str, tokens: int, shift_cells: int, flash: str, llama_server: str) -> dict:
-    """How to start the server of one row: argv, label, and what is fixed about its cells."""
+def row_spec(name: str, tokens: int, shift_cells: int, flash: str, llama_server: str, cache: str = "f16") -> dict:
+    """How to start the server of one row: argv, label, and what is fixed about its cells (cache: both servers' K and
+    V cell type, llama.cpp's names)."""
     every = round_up(PROMPT_TOKENS + tokens)  # a slot / stream that holds its request whole
-    fa = ["-fa", flash, "-ctk", "f16", "-ctv", "f16"]
+    fa = ["-fa", flash, "-ctk", cache, "-ctv", cache]
     common_ls = [llama_server, "-m", gguf(), "--parallel", str(SEQUENCES), "-t", str(THREADS), "-tb", str(THREADS),
                  "-b", str(BATCH), "-ub", str(BATCH), "--host", "127.0.0.1", "--no-webui", *fa]
     epikv = [PY, "-m", "epikv.cli", "serve", "--engine", "llama.cpp", "--model", "smollm2", "--host", "127.0.0.1",
              "--sequences", str(SEQUENCES), "--kv", "streams", "--threads", str(THREADS), "--max-batch-tokens",
-             str(BATCH), "--flash-attn", flash, "--max-tokens", str(tokens)]
+             str(BATCH), "--flash-attn", flash, "--max-tokens", str(tokens), "--cache-type-k", cache,
+             "--cache-type-v", cache]
     if name == "llama-server":
         return {"label": name, "server": "llama-server", "argv": common_ls + ["-c", str(SEQUENCES * every)],
                 "cells_per_sequence": every}
@@ -142,13 +144,17 @@ def row_spec(name: str, tokens: int, shift_cells: int, flash: str, llama_server:
 _PER_CELL: list[int] = []
 
 
+CACHE = ["f16"]  # the run's --cache-type (main sets it)
+
+
 def kv_bytes_per_cell() -> int:
-    """F16 K and V bytes of one cell over every layer of the GGUF, as llama.cpp allocates them (the figure epikv's
-    /stats reports for its own cells); llama-server's log does not print its KV size at the default verbosity."""
+    """K and V bytes of one cell at the run's cell type over every layer of the GGUF, as llama.cpp allocates them
+    (the figure epikv's /stats reports for its own cells); llama-server's log does not print its KV size at the
+    default verbosity."""
     if not _PER_CELL:
         from epikv.llamacpp.model import load_gguf
 
-        _PER_CELL.append(load_gguf("smollm2").kv_bytes_per_cell("f16"))
+        _PER_CELL.append(load_gguf("smollm2").kv_bytes_per_cell(CACHE[0]))
     return _PER_CELL[0]
 
 
@@ -273,9 +279,10 @@ def run(args) -> int:
                 done.add((r["tokens"], r["row"], r["repeat"]))
     version = subprocess.run([ls, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
     machine = {"cpu": cpu(), "llama_server_version": " / ".join(version), "epikv_commit": commit(),
-               "flash_attn": args.flash_attn, "kv_type": "f16", "threads": THREADS, "sequences": SEQUENCES,
+               "flash_attn": args.flash_attn, "kv_type": getattr(args, "cache_type", "f16"), "threads": THREADS, "sequences": SEQUENCES,
                "max_batch_tokens": BATCH, "max_prompt_tokens": PROMPT_TOKENS}
-    specs = {n: row_spec(n, args.tokens, shift, args.flash_attn, ls) for n in names}
+    specs = {n: row_spec(n, args.tokens, shift, args.flash_attn, ls, getattr(args, "cache_type", "f16"))
+             for n in names}
     # llama-server and epikv rows alternate; odd repeats run the order backwards
     lsr = [n for n in names if specs[n]["server"] == "llama-server"]
     epr = [n for n in names if specs[n]["server"] == "epikv"]
@@ -417,6 +424,9 @@ def main(argv=None) -> int:
     r.add_argument("--tau", type=int, default=128, help="the tau of the smallest-K row (for --shift-cells)")
     r.add_argument("--flash-attn", choices=("on", "off", "auto"), default="off",
                    help="both servers (default off: the setting under which a stream's answer is batch-invariant)")
+    r.add_argument("--cache-type", default="f16",
+                   help="both servers' K and V cell type, llama.cpp's names (f16, q8_0, q4_0, ...; a quantized type "
+                        "needs --flash-attn on)")
     r.add_argument("--llama-server", default=None, help="the binary (default: where build_llama_server.sh puts it)")
     r.add_argument("--out", required=True)
     s = sub.add_parser("summary", help="write DIR/summary.md from DIR/results.jsonl")
@@ -424,6 +434,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "run" and (args.tokens < 1 or args.repeats < 1):
         fail("--tokens and --repeats must be positive")
+    if args.cmd == "run":
+        from epikv.llamacpp.kvtypes import CACHE_TYPES
+
+        if args.cache_type not in CACHE_TYPES:
+            fail(f"--cache-type {args.cache_type!r}: llama.cpp's types are {', '.join(CACHE_TYPES)}")
+        if CACHE_TYPES[args.cache_type][1] > 1 and args.flash_attn != "on":
+            fail(f"--cache-type {args.cache_type} needs --flash-attn on (llama.cpp refuses a quantized V cache "
+                 "without it)")
+        CACHE[0] = args.cache_type
     return run(args) if args.cmd == "run" else summary(args)
 
 

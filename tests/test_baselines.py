@@ -45,6 +45,10 @@ def test_matrix(tiny, tiny_settings, name, batch, tau):
     at tau 1 (the strictest cell; tau does not matter without eviction), to keep the suite fast on 2 CPU cores."""
     pol = get_policy(name)
     st = tiny_settings(name)  # a learned score: random weights of the tiny shape
+    if pol.renumbers_positions:  # context-shift: the llama.cpp engine's only (tests/test_llamacpp_quant.py)
+        with pytest.raises(EpiKVError, match="true position"):
+            _run(tiny, name, batch, tau, BUDGET, **st)
+        return
     if pol.uncompressed_layers(4) and batch == 2:  # knorm: a padded batch is refused with a clear error
         with pytest.raises(EpiKVError, match="padded batch"):
             _run(tiny, name, batch, tau, BUDGET, **st)

@@ -69,8 +69,10 @@ class EpiKVCache(Cache):
         self.tau = self.policy.tau
         self.recent = self.policy.recent_window(budget) if self.policy.evicts else 0
         obs = self.policy.observes(self.n_layers)
+        from .policies.base import check_true_positions
         from .signals import check_layers
 
+        check_true_positions(self.policy)
         check_layers(obs.hidden_layers, self.n_layers)
         check_layers(obs.attention_layers, self.n_layers)
         if sliding:

@@ -28,9 +28,11 @@ def torch_refusal(policy) -> str | None:
     """`epikv.generate`, `EpiKVCache`, `epikv.press`, `epikv generate` on a full-attention transformers model: every
     registered policy runs (one that reads attention weights switches the model to eager attention); what the cache
     checks on construction is the policy's own layer choice."""
+    from .policies.base import check_true_positions
     from .signals import check_layers
 
     def check():
+        check_true_positions(policy)
         obs = policy.observes(N_LAYERS)
         check_layers(obs.hidden_layers, N_LAYERS)
         check_layers(obs.attention_layers, N_LAYERS)
@@ -43,8 +45,10 @@ def torch_refusal(policy) -> str | None:
 def hybrid_refusal(policy) -> str | None:
     """The same, on a model mixing sliding-window and full-attention layers (Gemma-3, GPT-OSS, Ministral)."""
     from .hooks import _check_hybrid_policy
+    from .policies.base import check_true_positions
 
-    return _refusal(lambda: _check_hybrid_policy(policy, policy.observes(N_LAYERS), N_LAYERS))
+    return _refusal(lambda: (check_true_positions(policy),
+                             _check_hybrid_policy(policy, policy.observes(N_LAYERS), N_LAYERS)))
 
 
 def serve_torch_refusal(policy) -> str | None:

@@ -19,8 +19,10 @@ class LlamaCppSpeed:
 
     epikv_engine = "llama.cpp"
 
-    def __init__(self, gm: GGUFModel, threads: int | None = None) -> None:
+    def __init__(self, gm: GGUFModel, threads: int | None = None, *, type_k: str = "f16", type_v: str = "f16",
+                 flash_attn: bool | None = None) -> None:
         self.gm, self.threads, self.n_vocab = gm, threads, gm.tokenizer.n_vocab
+        self.cells = dict(type_k=type_k, type_v=type_v, flash_attn=flash_attn)  # every decoder's cell types
 
     def speed_run(self, cfg, budget, fill_to, prompt, filler, chunk, total) -> "SpeedRun":
         return SpeedRun(self, cfg, budget, fill_to, prompt, filler, chunk, total)
@@ -38,7 +40,7 @@ class SpeedRun:
         ids = [int(t) for t in filler[0, :fill_to]]  # [fill_to]; the prompt is its first tokens
         p = prompt.shape[1]
         self.dec = LlamaDecoder(eng.gm, self.policy, budget if self.policy.evicts else None, max_tokens=total,
-                                threads=eng.threads, n_batch=min(512, p))
+                                threads=eng.threads, n_batch=min(512, p), **eng.cells)
         self.times: list[float] = []
         self.lengths: list[int] = []
         self.logits = self.dec.prefill(ids[:p])
@@ -57,7 +59,8 @@ class SpeedRun:
         from .speed import config_summary
 
         return {**config_summary(self.cfg, self.policy, self.times, self.lengths, self.dec.evictions),
-                "kv_cells": self.dec.n_ctx, "kv_bytes": self.dec.kv_bytes(), "kv_mirror_bytes": self.dec.mirror_bytes()}
+                "kv_cells": self.dec.n_ctx, "kv_bytes": self.dec.kv_bytes(), "kv_mirror_bytes": self.dec.mirror_bytes(),
+                "cache_type_k": self.dec.type_k, "cache_type_v": self.dec.type_v, **self.dec.peak_report()}
 
 
 def long_generation(eng: LlamaCppSpeed, policy: str, budget: int, lengths: list[int], tau: int | None = None,
@@ -72,7 +75,7 @@ def long_generation(eng: LlamaCppSpeed, policy: str, budget: int, lengths: list[
     lengths = sorted(set(lengths))
     prompt = [int(t) for t in random_ids(eng, prompt_tokens, seed)[0]]
     dec = LlamaDecoder(eng.gm, pol, budget if pol.evicts else None, max_tokens=prompt_tokens + lengths[-1],
-                       threads=eng.threads, n_batch=min(512, prompt_tokens))
+                       threads=eng.threads, n_batch=min(512, prompt_tokens), **eng.cells)
     try:
         logits = dec.prefill(prompt)
         per_cell = (dec.kv_bytes() or 0) / dec.n_ctx
@@ -86,7 +89,8 @@ def long_generation(eng: LlamaCppSpeed, policy: str, budget: int, lengths: list[
                  "generated": target, "segment_tokens_per_s": (target - done) / (now - t_prev),
                  "tokens_per_s": target / (now - t_start), "cache_length": dec.stored(),
                  "kv_buffer_mib": (dec.kv_bytes() or 0) / 2**20, "kv_cache_peak_mib": dec.max_tokens * per_cell / 2**20,
-                 "kv_cells": dec.n_ctx, "kv_mirror_mib": dec.mirror_bytes() / 2**20}
+                 "kv_cells": dec.n_ctx, "kv_mirror_mib": dec.mirror_bytes() / 2**20,
+                 "kv_peak_bytes": dec.peak["bytes"]}
             points.append(p)
             if on_point:
                 on_point(p)

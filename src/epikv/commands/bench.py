@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .engines import add_engine_args
+from .engines import add_cache_type_args, add_engine_args
 from .common import (add_model_args, add_policy_args, int_list, load, name_list, nonneg_float, nonneg_int, out_dir,
                      out_file, positive_int, settings_by_policy, top_p_float)
 
@@ -40,7 +40,7 @@ def register(sub) -> None:
                    help="leave out the second reference, transformers' model.generate with a DynamicCache at full's "
                         "cache length (timed in the same rounds; on by default when full is benchmarked)")
     s.add_argument("--cap-gib", type=nonneg_float, default=6.0, help="memory cap of each CPU child process (GiB; default 6)")
-    add_engine_args(s)
+    add_engine_args(s, cache_types=True)
     s.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
     s.add_argument("--out", default=None, type=out_file,
                    help="write the JSON here (and a PNG next to it); default: stdout only")
@@ -117,6 +117,7 @@ def register(sub) -> None:
     v.add_argument("--kv", choices=("streams", "unified"), default=None,
                    help="the llama.cpp server's cache layout (llama.cpp; default: the server's, streams for an "
                         "evicting policy, unified for full)")
+    add_cache_type_args(v, memory=False)
     v.add_argument("--max-batch-tokens", type=positive_int, default=256, help="tokens per forward pass")
     v.add_argument("--url", default=None,
                    help="load an already running server instead (one row: its policy); a server without epikv's "
@@ -161,7 +162,10 @@ def run_serve(args) -> int:
     settings = settings_by_policy(args, names)  # unknown names and stray --set refused before anything starts
     llama = args.engine == "llama.cpp"
     given = [f for f, v in ((("--page", args.page), ("--num-blocks", args.num_blocks)) if llama else
-                            (("--ctx", args.ctx), ("--sequences", args.sequences))) if v is not None]
+                            (("--ctx", args.ctx), ("--sequences", args.sequences),
+                             ("--cache-type-k", None if args.cache_type_k == "f16" else args.cache_type_k),
+                             ("--cache-type-v", None if args.cache_type_v == "f16" else args.cache_type_v)))
+             if v is not None]
     if given:
         raise EpiKVError(f"{' and '.join(given)}: " + (
             "options of the torch engine's paged cache; --engine llama.cpp takes --ctx cells and --sequences" if llama
@@ -196,6 +200,9 @@ def run_serve(args) -> int:
         common.update(engine="llama.cpp", ctx=args.ctx, sequences=args.sequences or args.concurrency)
         if args.kv:  # in the key only when named, so rows recorded before stay reusable
             common["kv"] = args.kv
+        for key in ("cache_type_k", "cache_type_v"):  # the same: in the key only when not llama.cpp's f16
+            if getattr(args, key) != "f16":
+                common[key] = getattr(args, key)
     sampling = None
     if args.temperature > 0:  # in the key only when sampled, so greedy rows recorded before stay reusable
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
@@ -208,6 +215,9 @@ def run_serve(args) -> int:
             server_argv += ["--ctx", str(args.ctx)]
         if args.kv:
             server_argv += ["--kv", args.kv]
+        for key in ("cache_type_k", "cache_type_v"):
+            if key in common:
+                server_argv += ["--" + key.replace("_", "-"), common[key]]
     else:
         server_argv += ["--page", str(args.page)]
         if args.num_blocks:
@@ -331,6 +341,9 @@ def run_speed(args) -> int:
                                                        "reference and runs its long generations in this process")
         names = args.policies or [n for n in default_policies() if n in SUPPORTED]
     else:
+        from .engines import refuse_engine_options
+
+        refuse_engine_options(args, {"cache_type_k": "f16", "cache_type_v": "f16"}, "options of --engine llama.cpp")
         if args.threads:
             torch.set_num_threads(args.threads)
         names = args.policies or default_policies()
@@ -413,7 +426,10 @@ def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
         if gm.n_ctx_train and args.prompt_tokens + max(args.long_lengths) > gm.n_ctx_train:
             raise EpiKVError(f"--prompt-tokens {args.prompt_tokens} + {max(args.long_lengths)} generated tokens "
                              f"exceeds the model's context limit of {gm.n_ctx_train} positions")
-    eng = LlamaCppSpeed(gm, threads=args.threads)
+    from .engines import cache_setup
+
+    type_k, type_v, fa = cache_setup(gm, args)  # refused in one line where llama.cpp would refuse them
+    eng = LlamaCppSpeed(gm, threads=args.threads, type_k=type_k, type_v=type_v, flash_attn=fa)
     env_start = _environment()
     jr = Journal(args.out + ".jsonl" if args.out else None)  # finished budgets survive a killed run
     hb = _heartbeat("bench speed", "steps (rounds, long checkpoints)")

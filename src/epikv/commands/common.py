@@ -275,13 +275,15 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
         g.add_argument("--policies", type=policy_list, default=None if by_engine or own_default else [DEFAULT_POLICY],
                        help=f"comma-separated policy names{said}")
         g.add_argument("--budgets", type=int_list, default=[1024], action=_Given,
-                       help="comma-separated cache budgets K")
+                       help="comma-separated cache budgets K (each peaks at K + tau tokens: K + tau - 1 between "
+                            "evictions and the step's own)")
     else:
         g.add_argument("--policy", default=None if by_engine else DEFAULT_POLICY, action=_Given,
                        help=f"one of: {', '.join(policy_names())}"
                             + ("" if own_default else f" ({default_policy_help(by_engine)})"))
         g.add_argument("--budget", type=positive_int, default=1024, action=_Given,
-                       help="cache budget K (tokens, prompt included; ignored by full, with a warning)")
+                       help="cache budget K (tokens, prompt included, after an eviction; the cache peaks at K + tau: "
+                            "K + tau - 1 between evictions and the step's own; ignored by full, with a warning)")
     g.add_argument("--tau", type=positive_int, default=None,
                    help="eviction interval in steps (default: the policy's own, 128 for epikv-seg and epikv-seg-q, 1 "
                         "for the rest)")

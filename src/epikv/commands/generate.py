@@ -39,7 +39,7 @@ def register(sub) -> None:
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="run a --budget larger than the model's trained context (refused otherwise)")
     add_model_args(p)
-    add_engine_args(p, flash_attn=True)
+    add_engine_args(p, flash_attn=True, cache_types=True, kv_memory=True)
     add_policy_args(p)
     p.set_defaults(run=run)
 
@@ -81,13 +81,19 @@ def run(args) -> int:
     tty = sys.stderr.isatty()
 
     layers = eng.layer_choice(get_policy(args.policy, tau=args.tau, **settings))
-    pending = bool(layers and live)  # the blocks note, still to print
+    if getattr(args, "kv_memory", None) is not None:  # llama.cpp only (the torch engine refuses it)
+        args.budget = eng.budget_for_memory(args.policy, args.tau, **settings)
+    notes = list(getattr(eng, "notes", ()))  # llama.cpp's: the flash-attention switch, --kv-memory's pick
+    pending = bool((layers or notes) and live)  # the blocks note, still to print
 
     def announce():
         # only once the run has passed every check: a refused run prints its one error line and nothing else
         nonlocal pending
         if pending:
-            print(f"[{args.policy} reads {layers}]", file=sys.stderr)
+            for line in notes:
+                print(line, file=sys.stderr)
+            if layers:
+                print(f"[{args.policy} reads {layers}]", file=sys.stderr)
             pending = False
 
     def on_step(info):
@@ -114,8 +120,10 @@ def run(args) -> int:
     }
     if layers:
         summary["layers"] = layers
-    # llama.cpp: its KV cache and epikv's key/value mirror (issue 39), its threads and flash-attention setting
-    for key in ("kv_bytes", "kv_mirror_bytes", "threads", "flash_attn"):
+    # llama.cpp: its KV cache and epikv's key/value mirror (issue 39), its threads and flash-attention setting, the
+    # cells' types and the sequence's peak KV bytes (cells as stored + the policy's buffers: issue 56)
+    for key in ("kv_bytes", "kv_mirror_bytes", "threads", "flash_attn", "cache_type_k", "cache_type_v",
+                "kv_peak_bytes", "kv_peak_cells", "kv_peak_cell_bytes", "kv_peak_buffer_bytes"):
         if st.get(key) is not None:
             summary[key] = st[key]
     if args.json:
@@ -130,5 +138,8 @@ def run(args) -> int:
               f"{summary['max_cache_tokens']}, final {summary['final_cache_tokens']}; {summary['evictions']} "
               f"evictions; {summary['seconds']} s (prefill {summary['prefill_seconds']} s, decode "
               f"{summary['decode_seconds']} s); {summary['tokens_per_s']} tok/s overall, "
-              f"{summary['decode_tokens_per_s']} decoding", file=sys.stderr)
+              f"{summary['decode_tokens_per_s']} decoding"
+              + (f"; KV peak {summary['kv_peak_bytes']} bytes ({summary['kv_peak_cells']} {summary['cache_type_k']}/"
+                 f"{summary['cache_type_v']} cells + {summary['kv_peak_buffer_bytes']} of policy buffers)"
+                 if "kv_peak_bytes" in summary else ""), file=sys.stderr)
     return 0

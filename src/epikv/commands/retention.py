@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .engines import add_engine_args, make_engine
+from .engines import add_engine_args, kv_memory_list, make_engine, memory_budget
 from .common import add_model_args, add_policy_args, nonneg_int, out_dir, positive_int, settings_by_policy
 
 
@@ -36,7 +37,11 @@ def register(sub) -> None:
                         "the tokens per CPU-second at N = 4 on the embedded model (measured 1.69x; default 1: one at "
                         "a time)")
     add_model_args(p)
-    add_engine_args(p)
+    g = add_engine_args(p, flash_attn=True, cache_types=True)
+    g.add_argument(
+        "--kv-memory", type=kv_memory_list, default=None, metavar="SIZE[,SIZE]",
+        help="instead of --budgets (--engine llama.cpp): per policy, the largest budget whose peak (K + tau cells at "
+             "the chosen types plus the policy's buffers) fits each size, e.g. 24MiB,48MiB; each pick is printed")
     add_policy_args(p, multi=True, own_default=True)
     p._option_string_actions["--tau"].help = "eviction interval: tokens per chunk fed between evictions (default 16)"
     p._option_string_actions["--policies"].help = (
@@ -65,13 +70,41 @@ def run(args) -> int:
     if eng.name == "llama.cpp":
         from ..retention.llamacpp import LlamaCppTraces
 
-        model = LlamaCppTraces(eng.gm, threads=args.threads)
+        model = LlamaCppTraces(eng.gm, threads=args.threads, type_k=eng.type_k, type_v=eng.type_v,
+                               flash_attn=eng.flash_attn)
     else:
         model = eng.lm.model
-    summary = run_retention(model, eng.tokenizer, rows, out, args.policies, args.budgets, tau=args.tau,
-                            max_reasoning_tokens=args.max_reasoning_tokens, system=args.system,
-                            max_answer_tokens=args.max_answer_tokens, model_name=args.model,
-                            settings_for=settings.__getitem__, batch_traces=args.batch_traces)
+    # --kv-memory: each policy at its own budgets (the largest whose peak fits each size); else every policy at
+    # --budgets
+    plans = [(args.policies, args.budgets)]
+    if args.kv_memory is not None:
+        from ..retention.runner import _name
+
+        if "budgets" in (getattr(args, "given", None) or set()):
+            raise EpiKVError("--kv-memory chooses the budgets: give --kv-memory or --budgets, not both")
+        from ..policies import get_policy
+
+        plans = []
+        for spec in args.policies:
+            if not get_policy(_name(spec)).evicts:
+                plans.append(([spec], args.budgets))
+                continue
+            ks = [memory_budget(eng.gm, args, _name(spec), args.tau, eng.type_k, eng.type_v, None, kv_memory=m,
+                                **settings[spec]) for m in args.kv_memory]
+            plans.append(([spec], sorted(set(ks))))
+    for note in getattr(eng, "notes", ()):
+        print(note, file=sys.stderr)
+    summary = {"written": 0, "already_done": 0, "skipped_traces": [], "failed": [], "claimed_elsewhere": 0}
+    for specs, budgets in plans:
+        part = run_retention(model, eng.tokenizer, rows, out, specs, budgets, tau=args.tau,
+                             max_reasoning_tokens=args.max_reasoning_tokens, system=args.system,
+                             max_answer_tokens=args.max_answer_tokens, model_name=args.model,
+                             settings_for=settings.__getitem__, batch_traces=args.batch_traces)
+        for k in ("written", "already_done", "claimed_elsewhere"):
+            summary[k] += part.get(k) or 0
+        summary["failed"] += part["failed"]
+        summary["skipped_traces"] = part["skipped_traces"]
+        summary["results"] = part["results"]
     print(f"{summary['written']} records written, {summary['already_done']} already done, "
           f"{len(summary['skipped_traces'])} traces skipped, {len(summary['failed'])} runs not possible"
           + (f", {summary['claimed_elsewhere']} being computed by another process"

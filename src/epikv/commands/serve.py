@@ -17,7 +17,7 @@ from ..serving.config import ServeConfig
 from ..serving.guard import DEFAULT_MAX_REQUEST_BYTES
 from ..serving.reasoning import PARSERS
 from .common import add_model_args, add_policy_args, nonneg_float, positive_int, settings_by_policy
-from .engines import FLASH_ATTN, THREADS_HELP, LlamaCppEngine, add_flash_attn_arg
+from .engines import FLASH_ATTN, THREADS_HELP, LlamaCppEngine, add_cache_type_args, add_flash_attn_arg
 
 
 def _port(text: str) -> int:
@@ -69,6 +69,7 @@ def register(sub) -> None:
     c.add_argument("--sequences", type=positive_int, default=None,
                    help="sequences decoded at once, at most (required; up to 256)")
     add_flash_attn_arg(c)
+    add_cache_type_args(c)
     p.add_argument("--max-batch-tokens", type=positive_int, default=256,
                    help="tokens per forward pass (prefill chunks + one per decoding request; default 256)")
     h = p.add_argument_group("http")
@@ -195,10 +196,17 @@ def config(args) -> ServeConfig:
             raise EpiKVError(f"--engine llama.cpp needs {' and '.join(missing)} (KV cells of the one context, and "
                              "the sequences decoded at once)")
         LlamaCppEngine.refuse_torch_options(args)
+        if args.kv_memory is not None:
+            if "budget" in (getattr(args, "given", None) or set()):
+                raise EpiKVError("--kv-memory chooses the budget: give --kv-memory or --budget, not both")
+            if not evicts:
+                raise EpiKVError(f"--kv-memory sizes an evicting policy's budget; {policy} keeps every token")
     else:
         given = [f for f, v in (("--ctx", args.ctx), ("--sequences", args.sequences), ("--kv", args.kv),
-                                ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn))
-                 if v is not None]
+                                ("--flash-attn", None if args.flash_attn == "auto" else args.flash_attn),
+                                ("--cache-type-k", None if args.cache_type_k == "f16" else args.cache_type_k),
+                                ("--cache-type-v", None if args.cache_type_v == "f16" else args.cache_type_v),
+                                ("--kv-memory", args.kv_memory)) if v is not None]
         if given:
             raise EpiKVError(f"{' and '.join(given)}: options of --engine llama.cpp; the torch engine's cache is "
                              "--num-blocks pages of --page tokens")
@@ -215,7 +223,8 @@ def config(args) -> ServeConfig:
         drain_timeout=args.drain_timeout, log_level=args.log_level, served_model_names=names,
         max_request_bytes=args.max_request_bytes, api_key=api_key, ray=args.ray, replicas=args.replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address,
-        ray_app_name=args.ray_app_name)
+        ray_app_name=args.ray_app_name, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+        kv_memory=args.kv_memory)
 
 
 def _run(args) -> int:

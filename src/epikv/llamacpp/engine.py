@@ -30,6 +30,7 @@ from ..policies import DEFAULT_POLICY, Policy, get_policy
 from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
+from .kvtypes import CACHE_TYPES, cell_bytes, check_type, mirror_dtype, resolve_flash_attn
 from .model import GGUFModel
 from .sequence import CellCounter, SequenceCache, kv_plan
 
@@ -37,12 +38,20 @@ from .sequence import CellCounter, SequenceCache, kv_plan
 # keys/values or the keys/values of arriving tokens (captured from the graph: Qcur / Kcur / Vcur, with a key/value
 # mirror); the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
-             "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key", "epikv-learned-mean")
+             "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key", "epikv-learned-mean",
+             "context-shift")
 """The built-in policies llama.cpp runs (exactly those `check_policy` lets through: tests/test_llamacpp.py)."""
 
-KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache
+KV_TYPES = {name: t for name, (t, _, _) in CACHE_TYPES.items()}  # ggml_type of each cache type name
 ROPE_TYPE_NORM = 0  # llama_rope_type: RoPE on adjacent channel pairs
-KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}  # the same, for the key/value mirror
+
+
+def kv_types(type_kv: str = "f16", type_k: str | None = None, type_v: str | None = None) -> tuple[str, str]:
+    """(K type, V type): type_k / type_v where given, else type_kv for both (checked: kvtypes.CACHE_TYPES)."""
+    k, v = type_k or type_kv, type_v or type_kv
+    check_type(k, "--cache-type-k")
+    check_type(v, "--cache-type-v")
+    return k, v
 
 
 def check_policy(policy: Policy, n_layers: int) -> None:
@@ -120,7 +129,8 @@ def all_outputs(gm: GGUFModel, blocks: list[int]) -> bool:
 
 def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int,
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
-                 attn: dict[str, list[int]] | None = None, kv_unified: bool = True):
+                 attn: dict[str, list[int]] | None = None, kv_unified: bool = True, type_k: str | None = None,
+                 type_v: str | None = None):
     """A llama.cpp context with one unified KV stream of n_ctx cells (freed cells serve any sequence, and a
     micro-batch's rows are its tokens in batch order: n_ubatch = n_batch), and the capture of `blocks` (and of the
     queries / keys / values of `attn`'s layers, attn_plan) wired into its eval callback, probed (probe_context).
@@ -130,10 +140,13 @@ def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, 
     a multiple of 256: llama_n_ctx_seq); a sequence attends only to its own stream. llama.cpp then splits a batch
     with split_equal (LLAMACPP.md section 9): the caller must hand llama_decode batches that form one micro-batch in
     batch order (serving/llamacpp.py: consecutive increasing sequence ids, the same number of tokens each, grouped
-    by sequence), or the captured rows are not the batch's."""
+    by sequence), or the captured rows are not the batch's.
+
+    type_k / type_v: the cells' types (llama.cpp's names, kvtypes.CACHE_TYPES; type_kv sets both): a quantized V
+    cache needs flash attention, switched on where flash_attn is None and refused in one line where it is False."""
     ll = lib.load().ll
-    if type_kv not in KV_TYPES:
-        raise EpiKVError(f"type_kv must be one of {', '.join(KV_TYPES)}, got {type_kv!r}")
+    type_k, type_v = kv_types(type_kv, type_k, type_v)
+    flash_attn, _ = resolve_flash_attn(gm, type_k, type_v, flash_attn)
     attn = {k: v for k, v in (attn or {}).items() if v}
     # Llama GGUFs hold q/k weights permuted for ggml's pairwise RoPE (transformers' GGUF loader undoes it)
     interleaved = gm.arch == "llama" and int(ll.llama_model_rope_type(gm.ptr)) == ROPE_TYPE_NORM
@@ -145,7 +158,7 @@ def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, 
     cp.n_seq_max = n_seq_max
     cp.kv_unified = bool(kv_unified)
     cp.n_threads = cp.n_threads_batch = threads
-    cp.type_k = cp.type_v = KV_TYPES[type_kv]
+    cp.type_k, cp.type_v = CACHE_TYPES[type_k][0], CACHE_TYPES[type_v][0]
     cp.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
                           ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.no_perf = True
@@ -154,7 +167,8 @@ def make_context(gm: GGUFModel, blocks: list[int], *, n_ctx: int, n_batch: int, 
         cp.cb_eval_user_data = cap.user_data
     ctx = ll.llama_init_from_model(gm.ptr, cp)
     if not ctx:
-        raise EpiKVError(f"llama.cpp could not create a context of {n_ctx} cells for {gm.name}")
+        raise EpiKVError(f"llama.cpp could not create a context of {n_ctx} cells for {gm.name}"
+                         + (f" with {type_k} keys and {type_v} values" if (type_k, type_v) != ("f16", "f16") else ""))
     try:
         cells = probe_context(gm, ctx, cap)
     except BaseException:
@@ -202,13 +216,15 @@ class LlamaDecoder(SequenceCache):
 
     n_ctx: cells of the context (default: budget + tau + the largest feed, or prompt + max_new_tokens for `full`,
     which llama.cpp rounds up to 256). n_seq_max > 1 leaves sequences 1.. free for a caller (the tests build an
-    oracle there). type_kv: "f16" (llama.cpp's default) or "f32"; flash_attn None = llama.cpp's choice.
+    oracle there). type_kv: the K and V cells' type (llama.cpp's names: kvtypes.CACHE_TYPES; "f16" its default),
+    type_k / type_v each on its own; flash_attn None = llama.cpp's choice (on for a quantized V cache).
     """
 
     def __init__(self, gm: GGUFModel, policy: str | Policy = DEFAULT_POLICY, budget: int | None = 1024,
                  tau: int | None = None, *, max_tokens: int, threads: int | None = None, n_batch: int = 512,
                  n_ctx: int | None = None, n_seq_max: int = 1, capture: str = "auto", type_kv: str = "f16",
-                 flash_attn: bool | None = None, **policy_settings) -> None:
+                 flash_attn: bool | None = None, type_k: str | None = None, type_v: str | None = None,
+                 **policy_settings) -> None:
         pol, blocks = checked_policy(gm, policy, budget, tau, **policy_settings)
         ev = pol.evicts
         self.n_batch = max(1, min(n_batch, max_tokens))
@@ -219,15 +235,17 @@ class LlamaDecoder(SequenceCache):
         self.threads = threads or default_threads()
         self.ctx, self.capture, cells = make_context(gm, blocks, n_ctx=n_ctx, n_batch=self.n_batch,
                                                      n_seq_max=n_seq_max, threads=self.threads, capture=capture,
-                                                     type_kv=type_kv,
-                                              flash_attn=flash_attn, attn=attn_plan(gm, pol))
+                                                     type_k=type_k or type_kv, type_v=type_v or type_kv,
+                                                     flash_attn=flash_attn, attn=attn_plan(gm, pol))
         ll = lib.load().ll
         self.all_outputs = all_outputs(gm, blocks)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.n_vocab = gm.tokenizer.n_vocab
+        self.type_k, self.type_v = kv_types(type_kv, type_k, type_v)
         self.type_kv = type_kv
-        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, cells, KV_DTYPES[type_kv])
+        self._init_sequence(ll, ll.llama_get_memory(self.ctx), 0, gm, pol, budget, blocks, cells,
+                            mirror_dtype(self.type_k, self.type_v), cell_bytes(gm, self.type_k, self.type_v))
         self.mirror_cells = self.n_ctx  # the mirror holds as many cells as the context (its keys and values again)
 
     # -- feeding ------------------------------------------------------------------------------------------------------
@@ -256,7 +274,7 @@ class LlamaDecoder(SequenceCache):
         if self.stored() + t > self.n_ctx:
             raise EpiKVError(f"the llama.cpp context holds {self.n_ctx} cells and {self.stored()} are in use: "
                              f"{t} more do not fit")
-        p0 = self.seen
+        p0 = self.next_pos  # the seen count unless context-shift renumbered positions
         b.n_tokens = t
         for j, tok in enumerate(toks):
             b.token[j] = tok
@@ -292,7 +310,7 @@ class LlamaDecoder(SequenceCache):
         """Bytes of the KV cache llama.cpp allocated for this context: n_ctx cells x every layer's K and V rows at
         the GGUF's own key / value lengths (None for a model without attention KV: a recurrent model's state is
         not a KV cache)."""
-        per_cell = self.gm.kv_bytes_per_cell(self.type_kv)
+        per_cell = self.gm.kv_bytes_per_cell(self.type_k, self.type_v)
         return self.n_ctx * per_cell if per_cell > 0 and not self.gm.recurrent else None
 
     def close(self) -> None:
@@ -334,7 +352,8 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
              tau: int | None = None, max_new_tokens: int = 256, sampling=None, stop: Iterable[str] = (),
              chat: bool = False, system: str | None = None, threads: int | None = None,
              on_step=None, seed: int | None = None, allow_beyond_context: bool = False, capture: str = "auto",
-             type_kv: str = "f16", flash_attn: bool | None = None, **policy_settings):
+             type_kv: str = "f16", flash_attn: bool | None = None, type_k: str | None = None,
+             type_v: str | None = None, **policy_settings):
     """Generate for one prompt with llama.cpp: the torch engine's own decoding loop (epikv.engine.decode_loop) over
     a LlamaDecoder, so the same result and statistics (plus the engine's own: threads, capture method, context
     cells and KV bytes)."""
@@ -354,14 +373,17 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
     # prompt chunks of at most 512 tokens, so an evicting context is about budget + prompt cells: freed cells are
     # then reused and attention spans about K cells (a larger context would spread the sequence over all of it)
     dec = LlamaDecoder(gm, pol, budget, max_tokens=len(ids) + max_new_tokens, threads=threads, capture=capture,
-                       type_kv=type_kv, flash_attn=flash_attn, n_batch=min(512, len(ids)))
+                       type_kv=type_kv, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+                       n_batch=min(512, len(ids)))
     try:
         run = decode_loop(_LoopDecoder(dec), tok, torch.tensor([ids]), [0], sampling=sampling, seeds=[seed],
                           max_new_tokens=max_new_tokens, eos=tok.eog_ids(), stop=stop, pad_id=tok.pad_token_id,
                           on_step=on_step)
+        fa, _ = resolve_flash_attn(gm, dec.type_k, dec.type_v, flash_attn)
         return run.result([len(ids)], [seed], engine="llama.cpp", threads=dec.threads,
-                          flash_attn={None: "auto", True: "on", False: "off"}[flash_attn],
+                          flash_attn={None: "auto", True: "on", False: "off"}[fa],
                           capture=dec.capture.method if dec.capture else None, kv_cells=dec.n_ctx,
-                          kv_bytes=dec.kv_bytes(), kv_mirror_bytes=dec.mirror_bytes())
+                          kv_bytes=dec.kv_bytes(), kv_mirror_bytes=dec.mirror_bytes(),
+                          cache_type_k=dec.type_k, cache_type_v=dec.type_v, **dec.peak_report())
     finally:
         dec.close()

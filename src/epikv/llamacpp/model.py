@@ -180,11 +180,14 @@ class GGUFModel:
         """The llama_model pointer (EpiKVError once closed)."""
         return self.handle.ptr
 
-    def kv_bytes_per_cell(self, type_kv: str = "f16") -> int:
+    def kv_bytes_per_cell(self, type_k: str = "f16", type_v: str | None = None) -> int:
         """Bytes one KV cell takes over every layer: K and V rows of each layer's KV heads, as llama.cpp allocates
-        them (0 for a model without attention KV)."""
-        elem = {"f16": 2, "f32": 4}[type_kv]
-        return sum(h * (self.head_dim_k + self.head_dim_v) for h in self.n_head_kv_layers) * elem
+        them at these cell types (llama.cpp's names; type_v defaults to type_k), 0 for a model without attention
+        KV."""
+        from .kvtypes import cell_bytes, check_type
+
+        return cell_bytes(self, check_type(type_k, "--cache-type-k"),
+                          check_type(type_v or type_k, "--cache-type-v"))
 
     @property
     def depth(self) -> Depth:

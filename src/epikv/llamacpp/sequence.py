@@ -83,7 +83,7 @@ class SequenceCache:
 
     def _init_sequence(self, ll, mem, seq: int, gm: GGUFModel, policy: Policy, budget: int | None,
                        blocks: list[int], cells: CellCounter | None = None,
-                       kv_dtype: torch.dtype = torch.float16) -> None:
+                       kv_dtype: torch.dtype = torch.float16, cell_bytes: int = 0) -> None:
         self._ll, self.mem, self.seq, self.gm = ll, mem, seq, gm
         self.cells = cells  # the exact cell count the mirror is checked against (None: bounds only)
         self.policy = policy
@@ -98,12 +98,21 @@ class SequenceCache:
         # positions), as every engine keeps it
         self.ps = PolicyState(policy, self.budget, self.recent, torch.device("cpu"))
         self.seen = 0
+        self.shifted = 0  # positions renumbered away by a policy that shifts (context-shift): next is seen - shifted
+        self.shifts: list[dict] = []  # each shift: n_keep, n_discard and the token count (seen) it happened at
         self.evicted_tokens = 0
         self.max_tokens = 0
         self.n_prompt = self.n_protect = 0
         self.on_evict: Callable[["SequenceCache", torch.Tensor], None] | None = None  # test hook: before seq_rm
         self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
         self._unscored = 0
+        # peak KV bytes (kvtypes): the cells as llama.cpp stores them and the policy's buffers, at the moment of the
+        # most bytes (after a decode, before the eviction that follows it)
+        self.cell_bytes = cell_bytes
+        self._pending_bytes = 0  # bytes of _rows and _arriving
+        self.peak: dict[str, int] = {"bytes": 0, "cells": 0, "cell_bytes": 0, "mirror_bytes": 0, "pending_bytes": 0,
+                                     "query_bytes": 0}  # at the moment of the most bytes
+        self.max_cells = 0  # the most cells held at once (after a decode, before its eviction)
         # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
         # any other policy is fed every step, as the torch engine does
         self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
@@ -153,18 +162,48 @@ class SequenceCache:
             raise EpiKVError(f"policy {self.policy.name} reads queries, keys or values but those of the {t} new "
                              "tokens were not captured")
         self._attended = 0
-        p0 = self.seen
+        p0 = self.next_pos
         pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
         self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
         if rows is not None:
             self._rows.append({blk: r.copy() for blk, r in rows.items()})  # [T, dim] each
+            self._pending_bytes += sum(r.nbytes for r in rows.values())
         self._unscored += t
         self.seen += t
+        self._note_peak()
         if self._unscored >= self._score_every:
             self.flush()
         if self.ps.due(self.stored()):
             self.evict()
         self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
+
+    @property
+    def next_pos(self) -> int:
+        """The position the sequence's next token takes: one past its highest (true positions, unless a policy
+        renumbers them: context-shift)."""
+        return self.seen - self.shifted
+
+    def _note_peak(self) -> None:
+        """Update the peak with the bytes held now: every cell, the mirror's rows of them, the rows waiting to be
+        scored and the query window (kvtypes: what is counted and why)."""
+        n = self.stored()
+        kv = self._kv
+        mirror = 0 if kv is None else n * (kv.numel() // kv.shape[3]) * kv.element_size()
+        queries = sum(q.numel() * q.element_size() for q in self._queries.values())
+        total = n * self.cell_bytes + mirror + self._pending_bytes + queries
+        self.max_cells = max(self.max_cells, n)
+        if total > self.peak["bytes"]:
+            self.peak = {"bytes": total, "cells": n, "cell_bytes": n * self.cell_bytes, "mirror_bytes": mirror,
+                         "pending_bytes": self._pending_bytes, "query_bytes": queries}
+
+    def peak_report(self) -> dict:
+        """The peak as reports carry it: kv_peak_bytes (cells + buffers) and its parts at that moment, and the most
+        cells held at any moment (kv_peak_cells: K + tau for the default schedule; the byte peak may fall a step
+        earlier, when more rows wait to be scored)."""
+        p = self.peak
+        return {"kv_peak_bytes": p["bytes"], "kv_peak_cells": self.max_cells, "kv_peak_cell_bytes": p["cell_bytes"],
+                "kv_peak_buffer_bytes": p["bytes"] - p["cell_bytes"], "kv_peak_mirror_bytes": p["mirror_bytes"],
+                "kv_peak_pending_bytes": p["pending_bytes"], "kv_peak_query_bytes": p["query_bytes"]}
 
     state = property(lambda self: self.ps.state)
     evictions = property(lambda self: self.ps.evictions)
@@ -174,7 +213,7 @@ class SequenceCache:
     def drop(self) -> None:
         """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
         self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
-        self.token_data, self._rows, self._unscored = {}, [], 0
+        self.token_data, self._rows, self._unscored, self._pending_bytes = {}, [], 0, 0
         self._kv, self._kv_np, self._arriving, self._queries = None, None, [], {}
 
     # -- keys, values and queries -------------------------------------------------------------------------------------
@@ -196,6 +235,7 @@ class SequenceCache:
                 self._kv_np[p, :, :, n_old : n_old + t] = _layers(attn[kind], layers).transpose(0, 2, 1, 3)
         if self._arriving_kv:
             self._arriving.append({kind: _layers(attn[kind], self.kv_layers, copy=True) for kind in self.kv_parts})
+            self._pending_bytes += sum(a.nbytes for a in self._arriving[-1].values())
         w = self._n_queries
         for l in self.query_layers:
             q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]
@@ -258,6 +298,27 @@ class SequenceCache:
             raise EpiKVError(f"llama.cpp's cache holds {n} cells of sequence {self.seq} but epikv's mirror "
                              f"{pos.numel()}: the cache and the policy disagree")
 
+    def _renumber(self, n_before: int, gone: list[int]) -> None:
+        """After a removal, shift each run of surviving positions down over the gaps below it
+        (llama_memory_seq_add: llama.cpp re-rotates their cached keys on the next decode), so positions are
+        contiguous from the first again, as llama.cpp's context shift leaves them; the next token follows."""
+        pos = self.positions
+        want = torch.arange(int(pos[0]), int(pos[0]) + pos.numel())
+        delta = want - pos  # <= 0, non-increasing
+        if not bool(delta.any()):
+            return
+        # runs of equal shift among the kept positions, lowest first (each moves into the gap below it)
+        change = torch.nonzero(delta[1:] != delta[:-1]).squeeze(-1).tolist()
+        starts = [0] + [c + 1 for c in change]
+        ends = starts[1:] + [pos.numel()]
+        for a, b in zip(starts, ends):
+            d = int(delta[a])
+            if d:
+                self._ll.llama_memory_seq_add(self.mem, self.seq, int(pos[a]), int(pos[b - 1]) + 1, d)
+        self.shifted -= int(delta[-1])
+        self.token_data["pos"] = want[None].to(self.token_data["pos"].dtype)
+        self.shifts.append({"n_keep": gone[0], "n_discard": len(gone), "at": self.seen, "cells": n_before})
+
     # -- scoring --------------------------------------------------------------------------------------------------------
     def flush(self) -> None:
         """Feed the policy every token not yet scored, in one on_tokens call (for the hidden-state policies a chunk
@@ -283,7 +344,7 @@ class SequenceCache:
         self.ps.observe(hidden=hidden, valid=torch.ones(1, u, dtype=torch.bool), positions=pos, n_old=n - u,
                         kv_heads=self.gm.n_head_kv, keys=keys, values=values, stored=stored,
                         record_positions=False)
-        self._rows, self._unscored, self._arriving = [], 0, []
+        self._rows, self._unscored, self._arriving, self._pending_bytes = [], 0, [], 0
 
     # -- eviction -----------------------------------------------------------------------------------------------------
     def view(self) -> CacheView:
@@ -340,6 +401,8 @@ class SequenceCache:
                 raise EpiKVError(f"llama.cpp refused to remove positions {p0}..{p1 - 1} of the sequence")
         # the unscored tail is all kept (checked above): the policy's data lacks it
         self.ps.select(keep[None], keep.numel(), unscored=u)
+        if self.policy.renumbers_positions and idx:
+            self._renumber(n, idx)
         if self._kv is not None:  # the key/value mirror follows the same keep set (moved from the first gap on)
             first = idx[0] if idx else keep.numel()
             m = keep.numel()

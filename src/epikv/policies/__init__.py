@@ -8,6 +8,7 @@ import sys
 
 from ..errors import EpiKVError
 from .base import CacheView, Observes, Policy, StepObservation, select_keep
+from .context_shift import ContextShift
 from .epikv import EpiKVFlat
 from .epikv_a import EpiKVBandA
 from .epikv_band import EpiKVBand
@@ -39,6 +40,7 @@ REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, EpiKVSeg, EpiKVSegQ, KVKeyVariance,
                 KVValueVariance, LagKVKey, LearnedScore, LearnedMean, FullCache, StreamingLLM, RandomEviction,
+                ContextShift,
                 RandomHeadEviction, H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm,
                 TriAttention, ExpectedAttention)
 }

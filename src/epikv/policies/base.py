@@ -43,6 +43,9 @@ class Policy:
     """'token': one keep set per sequence; 'head': one per layer and KV head; 'layer': one per layer."""
     evicts: ClassVar[bool] = True
     """False for `full`, which keeps every token."""
+    renumbers_positions: ClassVar[bool] = False
+    """True for a policy whose evictions renumber the survivors' positions (context-shift): only the llama.cpp engine
+    runs it (llama_memory_seq_add re-rotates its cached keys); every other engine keeps true positions."""
     own_page_rule: ClassVar[bool] = False
     """A policy with its own keep rule that honours `page` itself (whole pages, e.g. EpiKV-Seg's page-level tier
     pass)."""
@@ -211,3 +214,11 @@ def select_keep(priority: torch.Tensor, view: CacheView) -> torch.Tensor:
     # batch shape; decode-only windows give every prompt token 0)
     keep = (n - 1) - pr.flip(-1).argsort(dim=-1, descending=True, stable=True)[..., : view.budget]
     return keep.sort(dim=-1).values
+
+
+def check_true_positions(policy) -> None:
+    """Refuse, in one line, a policy that renumbers cached positions on an engine that keeps true ones (torch)."""
+    if getattr(policy, "renumbers_positions", False):
+        raise EpiKVError(f"policy {policy.name} renumbers the cached tokens' positions (llama.cpp's context shift, "
+                         "which re-rotates cached keys with llama_memory_seq_add); the torch engine keeps every token "
+                         "at its true position: run it with --engine llama.cpp")

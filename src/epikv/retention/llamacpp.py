@@ -20,8 +20,14 @@ class LlamaCppTraces:
     epikv_engine = "llama.cpp"
     device = torch.device("cpu")
 
-    def __init__(self, gm: GGUFModel, threads: int | None = None, type_kv: str = "f16") -> None:
-        self.gm, self.threads, self.type_kv = gm, threads, type_kv
+    def __init__(self, gm: GGUFModel, threads: int | None = None, type_kv: str = "f16", *, type_k: str | None = None,
+                 type_v: str | None = None, flash_attn: bool | None = None) -> None:
+        from ..llamacpp.engine import kv_types
+
+        self.gm, self.threads, self.type_kv, self.flash_attn = gm, threads, type_kv, flash_attn
+        self.type_k, self.type_v = kv_types(type_kv, type_k, type_v)
+        # recorded in the folder's config: one folder holds one cell type (rows at q8_0 are not rows at f16)
+        self.epikv_config = {"cache_type_k": self.type_k, "cache_type_v": self.type_v}
         self.on_decoder: Callable[[LlamaDecoder], None] | None = None  # test hook: each run's decoder, before use
 
     def check(self, policy) -> None:
@@ -32,8 +38,8 @@ class LlamaCppTraces:
         ids = item.ids
         p, n, tau = len(item.prompt_ids), len(ids), policy.tau
         # a micro-batch holds a chunk of tau and up to 512 prompt tokens at once
-        dec = LlamaDecoder(self.gm, policy, budget, max_tokens=n, threads=self.threads, type_kv=self.type_kv,
-                           n_batch=max(tau, min(512, p)))
+        dec = LlamaDecoder(self.gm, policy, budget, max_tokens=n, threads=self.threads, type_k=self.type_k,
+                           type_v=self.type_v, flash_attn=self.flash_attn, n_batch=max(tau, min(512, p)))
         try:
             if self.on_decoder is not None:
                 self.on_decoder(dec)
@@ -47,7 +53,8 @@ class LlamaCppTraces:
                 logits = dec.feed(ids[s:e], all_logits=True)  # [T, vocab]
                 fwd += time.perf_counter() - t0
                 on_logits(s + 1 - p, torch.from_numpy(logits))
-            stats = {"max_cache_tokens": dec.max_tokens, "evictions": dec.evictions}
+            # the peak KV bytes: cells as stored at their type + the policy's buffers (kvtypes), into the record
+            stats = {"max_cache_tokens": dec.max_tokens, "evictions": dec.evictions, **dec.peak_report()}
             per_cell = (dec.kv_bytes() or 0) / dec.n_ctx
             return fwd, stats, dec.max_tokens * per_cell / 2**20
         finally:

@@ -252,6 +252,7 @@ def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int
     out = acc.result()
     out.update(seconds=secs, evictions=stats["evictions"], peak_cache_tokens=stats["max_cache_tokens"],
                peak_kv_mib=kv, peak_mem_mib=_mib(peak.bytes), peak_mem_kind=peak.kind)
+    out.update({k: v for k, v in stats.items() if k.startswith("kv_peak")})  # llama.cpp's peak KV bytes
     return out
 
 
@@ -314,7 +315,7 @@ def engine_of(model) -> str:
 
 
 # config keys older folders lack, with the value they meant (every folder before the llama.cpp engine is torch's)
-_CONFIG_DEFAULTS = {"engine": "torch"}
+_CONFIG_DEFAULTS = {"engine": "torch", "cache_type_k": "f16", "cache_type_v": "f16"}
 
 
 def _check_config(out_dir: Path, config: dict) -> None:
@@ -392,7 +393,8 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_config(out_dir, {"model": model_name, "engine": engine, "tau": tau, "max_reasoning_tokens": max_reasoning_tokens,
-                            "max_answer_tokens": max_answer_tokens, "system": system})
+                            "max_answer_tokens": max_answer_tokens, "system": system,
+                            **getattr(model, "epikv_config", {})})
     store = Store(out_dir, "results.jsonl", lambda r: record_key(r) if r.get("kind") == KIND else None)
     results = store.path
     runs = {}  # (name, budget, settings as JSON) -> (name, budget, settings): `full` once, whatever the budgets

@@ -107,15 +107,29 @@ def _prepare_llamacpp(cfg: ServeConfig):
     import torch
 
     from ..llamacpp import load_gguf
+    from ..llamacpp.kvtypes import budget_for_memory, resolve_flash_attn
+    from ..policies import get_policy
     from .llamacpp import LlamaBackend
 
     # the policy's tensors here are a few rows per token: one torch thread (more only hand work between threads
     # and take cores from llama.cpp's, which spin while they wait)
     torch.set_num_threads(1)
     gm = load_gguf(cfg.model)  # llama.cpp missing, a bad GGUF: refused here in one line
-    backend = LlamaBackend(gm, cfg.policy, cfg.budget, cfg.tau, ctx=cfg.ctx, sequences=cfg.sequences,
+    # bad cell types refused in one line; a quantized V cache switches flash attention on (said so)
+    flash_attn, note = resolve_flash_attn(gm, cfg.cache_type_k, cfg.cache_type_v, cfg.flash_attn)
+    notes = [note] if note else []
+    budget = cfg.budget
+    if cfg.kv_memory is not None:  # a sequence's peak KV bytes, cells and policy buffers: the budget it picks
+        pol = get_policy(cfg.policy, tau=cfg.tau, **cfg.settings)
+        plan = budget_for_memory(gm, pol, cfg.kv_memory, cfg.cache_type_k, cfg.cache_type_v)
+        budget = plan.budget
+        notes.append(f"--kv-memory {cfg.kv_memory} bytes with {cfg.cache_type_k}/{cfg.cache_type_v} cells: "
+                     f"{pol.name} {plan.describe()}")
+    backend = LlamaBackend(gm, cfg.policy, budget, cfg.tau, ctx=cfg.ctx, sequences=cfg.sequences,
                            max_batch_tokens=cfg.max_batch_tokens, threads=cfg.threads, kv=cfg.kv,
-                           flash_attn=cfg.flash_attn, **cfg.settings)
+                           flash_attn=flash_attn, type_k=cfg.cache_type_k, type_v=cfg.cache_type_v, **cfg.settings)
+    for n in notes:
+        print(f"epikv serve: {n}", file=sys.stderr)
     return lambda: _start_llamacpp(cfg, gm, backend)
 
 
@@ -135,6 +149,7 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
                               "budget": backend.budget, "ctx": backend.cells, "sequences": cfg.sequences,
                               "kv": "streams" if backend.streams else "unified", "stream_cells": backend.stream_cells,
                               "max_batch_tokens": cfg.max_batch_tokens, "threads": backend.threads,
+                              "cache_type_k": backend.type_k, "cache_type_v": backend.type_v,
                               "llama_cpp": lib.load().version, "system_info": lib.system_info(),
                               **_queue_info(cfg),
                               "settings": _settings(cfg.settings)})
@@ -144,8 +159,9 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
     what = cfg.policy + (f" K={backend.budget}" if backend.budget else "")
     cells = (f"{cfg.sequences} streams of {backend.stream_cells} cells" if backend.streams else
              f"{backend.cells} cells, {cfg.sequences} sequences")
-    kv = backend.n_ctx * gm.kv_bytes_per_cell(backend.type_kv)
-    cells += f", KV cache {kv / 2**20:.1f} MiB" if kv > 0 else ""
+    kv = backend.n_ctx * backend.cell_bytes
+    types = f" {backend.type_k}/{backend.type_v}" if (backend.type_k, backend.type_v) != ("f16", "f16") else ""
+    cells += f", KV cache{types} {kv / 2**20:.1f} MiB" if kv > 0 else ""
     return server, lambda: stop_engine(backend), f"llama.cpp, model {cfg.model}, {what}, {cells}"
 
 

@@ -40,6 +40,9 @@ class ServeConfig:
     kv: str | None = None  # llama.cpp: "streams" | "unified" | None (the backend's default for the policy)
     sequences: int | None = None  # llama.cpp: sequences decoded at once
     flash_attn: bool | None = None  # llama.cpp: None = llama.cpp's choice
+    cache_type_k: str = "f16"  # llama.cpp's cell types (a quantized V switches flash attention on)
+    cache_type_v: str = "f16"
+    kv_memory: int | None = None  # llama.cpp: a sequence's peak KV bytes; the budget is the largest that fits
     max_batch_tokens: int = 256
     threads: int | None = None
     # http

@@ -46,7 +46,8 @@ import torch
 from ..errors import EpiKVError
 from ..llamacpp import lib
 from ..policies import DEFAULT_POLICY
-from ..llamacpp.engine import KV_DTYPES, all_outputs, attn_plan, checked_policy, default_threads, make_context
+from ..llamacpp.engine import all_outputs, attn_plan, checked_policy, default_threads, kv_types, make_context
+from ..llamacpp.kvtypes import cell_bytes, mirror_dtype
 from ..llamacpp.model import GGUFModel
 from ..llamacpp.sequence import SequenceCache
 from .backend import Backend, Output
@@ -59,8 +60,9 @@ log = logging.getLogger("epikv.serve")
 
 
 class _Seq(SequenceCache):
-    def __init__(self, ll, mem, seq, gm, policy, budget, blocks, cells, kv_dtype=torch.float16) -> None:
-        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks, cells, kv_dtype)
+    def __init__(self, ll, mem, seq, gm, policy, budget, blocks, cells, kv_dtype=torch.float16,
+                 cell_bytes: int = 0) -> None:
+        self._init_sequence(ll, mem, seq, gm, policy, budget, blocks, cells, kv_dtype, cell_bytes)
 
 
 @dataclass
@@ -94,7 +96,8 @@ class LlamaBackend(Backend):
     def __init__(self, gm: GGUFModel, policy=DEFAULT_POLICY, budget: int | None = 1024, tau: int | None = None, *,
                  ctx: int | None = None, sequences: int, max_batch_tokens: int = 256, threads: int | None = None,
                  capture: str = "auto", type_kv: str = "f16", flash_attn: bool | None = None,
-                 spare_sequences: int = 0, kv: str | None = None, **policy_settings) -> None:
+                 spare_sequences: int = 0, kv: str | None = None, type_k: str | None = None,
+                 type_v: str | None = None, **policy_settings) -> None:
         self.gm = gm
         self.policy, self.blocks = checked_policy(gm, policy, budget, tau, **policy_settings)
         ev = self.policy.evicts
@@ -128,13 +131,15 @@ class LlamaBackend(Backend):
         self.max_batch = max_batch_tokens
         self.threads = threads or default_threads()
         self.type_kv = type_kv
+        self.type_k, self.type_v = kv_types(type_kv, type_k, type_v)  # the cells' types (llama.cpp's names)
+        self.cell_bytes = cell_bytes(gm, self.type_k, self.type_v)
         self._ll = ll = lib.load().ll
         # the context is probed before the server takes a request: a model whose graph cannot be captured is
         # refused here (EpiKVError: `epikv serve` says so in one line and exits 2)
         n_seq = sequences + spare_sequences
         self.ctx, self.capture, self.cell_counter = make_context(
             gm, self.blocks, n_ctx=per * n_seq if self.streams else ctx, n_batch=max_batch_tokens, n_seq_max=n_seq,
-            threads=self.threads, capture=capture, type_kv=type_kv, flash_attn=flash_attn,
+            threads=self.threads, capture=capture, type_k=self.type_k, type_v=self.type_v, flash_attn=flash_attn,
             attn=attn_plan(gm, self.policy), kv_unified=not self.streams)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         # cells one sequence may hold: its own stream (llama.cpp's size, rounded up to 256), or the unified cache
@@ -166,6 +171,10 @@ class LlamaBackend(Backend):
         self._hold = False  # set by a preemption, cleared when a request ends
         self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
         self._mirror_bytes = 0  # bytes of the running sequences' key/value mirrors, after the last step (stats)
+        # the largest peak KV bytes of a sequence (SequenceCache.peak): of a running one after the last step, of an
+        # ended one
+        self._peak_live: dict = {}
+        self._peak_ended: dict = {}
         # cells llama.cpp itself holds for any sequence id, counted by llama.cpp (not the mirrors) by the engine
         # thread each time it goes idle: 0 unless some ended request's cells were never removed
         self.llama_cells_idle = self.llama_cells()
@@ -259,13 +268,22 @@ class LlamaBackend(Backend):
             mean_p50(self.cache_full_hist)
         c.update(engine="llama.cpp", kv="streams" if self.streams else "unified", stream_cells=self.stream_cells,
                  cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
-                 kv_bytes=self.n_ctx * self.gm.kv_bytes_per_cell(self.type_kv) or None,
+                 kv_bytes=self.n_ctx * self.cell_bytes or None, cache_type_k=self.type_k, cache_type_v=self.type_v,
                  cells_held_when_idle=self.llama_cells_idle, idle_checks=self.idle_checks,
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
                  kv_mirror_bytes=self._mirror_bytes,
+                 # one sequence's peak KV bytes (cells as stored + the policy's buffers: llamacpp.kvtypes), the
+                 # largest over every sequence so far, with its parts
+                 **self._peak_stats(),
                  running=len(self._running), waiting=len(self._waiting))
         return c
+
+    def _peak_stats(self) -> dict:
+        live, ended = self._peak_live, self._peak_ended
+        p = live if live.get("bytes", 0) > ended.get("bytes", 0) else ended
+        return {"kv_peak_bytes": p.get("bytes", 0), "kv_peak_cells_at_peak": p.get("cells", 0),
+                "kv_peak_buffer_bytes": p.get("bytes", 0) - p.get("cell_bytes", 0)}
 
     def _totals(self) -> tuple[int, int]:
         """Evictions and evicted tokens: those of ended sequences and of the running ones (under the lock that
@@ -353,6 +371,7 @@ class LlamaBackend(Backend):
         `drop` the mirror) and fail."""
         self._in_use = self._held()
         self._mirror_bytes = sum(r.seq.mirror_bytes() for r in self._running)
+        self._peak_live = max((r.seq.peak for r in self._running), key=lambda p: p["bytes"], default={})
 
     def _admit(self) -> None:
         while self._waiting and self._free_ids and not self._hold:
@@ -365,7 +384,7 @@ class LlamaBackend(Backend):
             if self.streams:  # lowest id first: decoding ids stay consecutive, so a step is few micro-batches
                 self._free_ids.sort()
             seq = _Seq(self._ll, self.mem, self._free_ids.pop(0), self.gm, r.policy or self.policy, self.budget,
-                       self.blocks, self.cell_counter, KV_DTYPES[self.type_kv])
+                       self.blocks, self.cell_counter, mirror_dtype(self.type_k, self.type_v), self.cell_bytes)
             # a sequence holds at most budget + tau - 1 cells and a step's rows
             seq.mirror_cells = min(self.cells, self.budget + self.policy.tau + self.max_batch if self.budget
                                    else self.cells)
@@ -389,6 +408,8 @@ class LlamaBackend(Backend):
             seq.drop()
         with self._lock:  # its counts move from the running to the ended totals in one step (see _totals)
             if seq is not None:
+                if seq.peak["bytes"] > self._peak_ended.get("bytes", 0):
+                    self._peak_ended = seq.peak
                 self.counters["evictions"] += seq.evictions
                 self.counters["evicted_tokens"] += seq.evicted_tokens
                 self._free_ids.append(seq.seq)
@@ -494,7 +515,7 @@ class LlamaBackend(Backend):
         for r, toks in plan:
             for i, tok in enumerate(toks):
                 b.token[j] = tok
-                b.pos[j] = r.seq.seen + i  # true positions: the sequence's next
+                b.pos[j] = r.seq.next_pos + i  # the sequence's next (true unless context-shift renumbered)
                 b.n_seq_id[j] = 1
                 b.seq_id[j][0] = r.seq.seq
                 b.logits[j] = 1 if (self.all_outputs or i == len(toks) - 1) else 0
