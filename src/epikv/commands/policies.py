@@ -54,7 +54,8 @@ def runs_in(pol) -> list[str]:
     """The engines (ENGINES) that run this policy object."""
     from ..support import serve_torch_refusal, torch_refusal
 
-    ok = {"torch": torch_refusal(pol) is None, "hybrid": _hybrid_ok(pol), "serve": serve_torch_refusal(pol) is None,
+    torch = torch_refusal(pol) is None  # a hybrid model runs in the torch engine: what it refuses, hybrid does too
+    ok = {"torch": torch, "hybrid": torch and _hybrid_ok(pol), "serve": serve_torch_refusal(pol) is None,
           "llama.cpp": _llamacpp_ok(pol)}
     return [e for e in ENGINES if ok[e]]
 
