@@ -33,7 +33,7 @@ def _row(name, rep, rate, q1, server="epikv", flash="off", schema=None):
     return {**({"schema": schema} if schema else {}), "tokens": 1024, "row": name, "repeat": rep, "label": name,
             "server": server, "tokens_per_s": rate,
             "quarters": [q1, rate, rate, rate], "ttft_p50_s": 1.0, "peak_rss_mib": 500.0, "kv_mib": 10.0,
-            "cells_per_sequence": 512, "load_before": [0.5, 0.5, 0.5], "cpu": {"model": "CPU X"},
+            "cells_per_sequence": 512, "load_before": [0.5, 0.5, 0.5], "cpu": {"model": "CPU X", "cores": 2},
             "llama_server_version": "v", "epikv_commit": "abc", "flash_attn": flash, "kv_type": "f16", "threads": 2,
             "sequences": 8, "generated_tokens": 8192}
 
@@ -198,3 +198,21 @@ def test_both_servers_get_the_rows_flash_attention_and_context_shift_gets_the_ep
     assert "--context-shift" in spec["argv"] and spec["argv"][spec["argv"].index("-c") + 1] == str(8 * 768)
     assert spec["cells_per_sequence"] == 768 and spec["equal_cells_to"] == "epikv-seg-q:256"
     assert fair.row_spec("llama-server-shift@streaming:256", 1024, 999, "off", "/ls")["cells_per_sequence"] == 512
+
+
+def test_render_shows_the_interval_for_new_rows_and_older_files_as_before(tmp_path, monkeypatch):
+    """benchmarks/render.py renders the fair script's tables from a raw file: a schema-2 file's paired ratios with
+    their 95 % interval (in the table and the README's line), a committed older file without one."""
+    spec = importlib.util.spec_from_file_location("epikv_render_fair", ROOT / "benchmarks" / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    old = render._fair_block(render.FAIR, "cmd")
+    assert "[" not in old.split("Issue 50")[0] and "x llama-server (paired)" in old
+    seg = "epikv-seg-q:256"
+    rows = [_row("llama-server", i, v, v, "llama-server", schema=2) for i, v in enumerate([100.0, 50.0, 80.0])]
+    rows += [_row(seg, i, v, v, schema=2) for i, v in enumerate([100.0, 100.0, 320.0])]
+    (tmp_path / "new.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    monkeypatch.setattr(render, "source_line", lambda files, command: "")  # (it asks git for the file's date)
+    assert "| 2.00 [0.36-11.19] |" in render._fair_block("new.jsonl", "cmd")
+    assert f"{seg} 2.00x [95 %: 0.36-11.19]" in render._fair_headline(rows)[1]
