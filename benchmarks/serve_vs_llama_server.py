@@ -354,6 +354,10 @@ def run(args) -> int:
                 f.write(json.dumps(row) + "\n")
             print(f"  {row['tokens_per_s']} tok/s, quarters {row['quarters']}, TTFT p50 {row['ttft_p50_s']} s, "
                   f"peak RSS {row['peak_rss_mib']:.0f} MiB, KV {row['kv_mib']} MiB", file=sys.stderr, flush=True)
+            shift = specs.get((SHIFT_AT + name, fa))
+            if shift and row.get("cells_per_sequence") != shift["cells_per_sequence"]:  # the derivation went stale
+                print(f"  warning: epikv's streams hold {row.get('cells_per_sequence')} cells, {SHIFT_AT}{name} runs "
+                      f"on {shift['cells_per_sequence']}: not equal cells", file=sys.stderr, flush=True)
     return summary(args)
 
 
