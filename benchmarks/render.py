@@ -786,8 +786,10 @@ def _fair_headline(rows: list[dict]) -> list[str]:
             if name.startswith("llama-server") or not m["ratios"]:  # the yardstick and its context-shift row
                 continue
             kv = f" on {100 * m['kv_fraction']:.0f} % of llama-server's KV bytes" if (m["kv_fraction"] or 1) < 1 else ""
-            rs.append(f"{m['label'].removeprefix('epikv ')} {statistics.median(m['ratios']):.2f}x{kv}")
-        n = min(m["repeats"] for name, m in per.items() if name != "llama-server-shift")  # the rows stated
+            ci = f" [95 %: {m['ci'][0]:.2f}-{m['ci'][1]:.2f}]" if m.get("schema", 1) >= 2 and m.get("ci") else ""
+            fa = f" (flash attention {m['flash_attn']})" if m.get("flash_attn", "off") != "off" else ""
+            rs.append(f"{m['label'].removeprefix('epikv ')}{fa} {statistics.median(m['ratios']):.2f}x{ci}{kv}")
+        n = min(m["repeats"] for name, m in per.items() if not name.startswith("llama-server-shift"))  # rows stated
         parts.append(f"{rows[0]['sequences']} x {tokens:,} tokens ({n} repeats): " + ", ".join(rs))
     cpu = rows[0]["cpu"]
     return [f"`epikv serve --engine llama.cpp` beside llama.cpp's own `llama-server`, {rows[0]['sequences']} requests "

@@ -4,20 +4,30 @@ Both servers are started by this script the same way and loaded by the same clie
 MATH-500 chat requests at once, templated prompt <= 160 tokens, greedy, forced length). Same GGUF (the embedded
 SmolLM2 Q4_1), same llama.cpp (the source llama-cpp-python vendors, built by benchmarks/build_llama_server.sh),
 2 threads, 256-token batches, F16 K and V and flash attention given explicitly to both (`-fa`, `-ctk/-ctv`; epikv
-`--flash-attn`, F16 its only KV type). Each repeat runs every row once, llama-server and epikv rows alternating, in
-reverse order on odd repeats; each row records the machine's load before it, the CPU model and flags,
-`llama-server --version`, epikv's commit, the server's peak RSS (VmHWM), its KV cells and bytes, tokens/s over the
-run and per quarter of its tokens, and time to first token. Resumable: a (length, row, repeat) already in
-results.jsonl is skipped.
+`--flash-attn`, F16 its only KV type). --flash-attn takes off, on and auto (llama-server's default), one or several:
+every row runs once for each, and is paired only with llama-server rows of the same setting. Each repeat runs every
+row once, llama-server and epikv rows alternating, in reverse order on odd repeats; each row records its flash
+attention, the machine's load before it, the CPU model and SIMD flags, `llama-server --version`, epikv's commit, the
+server's peak RSS (VmHWM), its KV cells and bytes, tokens/s over the run and per quarter of its tokens, and time to
+first token. Resumable: a (length, row, flash attention, repeat) already in results.jsonl is skipped.
+
+The summary gives each ratio to llama-server (and to `--context-shift` at equal cells) as the median of the ratios
+paired by repeat (each row over the llama-server row of its own repeat) with a 95 % t interval over the logs of those
+per-repeat ratios (`interval95`: ratios multiply, so their logs are the scale on which a mean and a symmetric
+interval make sense, and a t interval is honest about 5 repeats, where a percentile bootstrap has only 126 distinct
+resamples and comes out too narrow).
 
 Rows (--rows, comma-separated):
   llama-server      llama-server given every cell its requests need (--parallel 8, 8 slots of prompt + tokens)
   llama-server-shift llama-server with --context-shift on the cells an epikv stream holds (--shift-cells)
+  llama-server-shift@POLICY:K  llama-server with --context-shift on exactly the cells a stream of the row POLICY:K
+                    holds (K + tau - 1 + a 256-token chunk, rounded up to 256 as llama.cpp does: its peak, as the
+                    stream is allocated whole); epikv's row is paired with it by repeat
   full              epikv `full` on 8 streams of every cell its requests need
   POLICY:K          epikv POLICY at budget K on 8 streams (cells derived by epikv serve)
 
-  PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --tokens 1024 --repeats 3 \
-      --rows llama-server,full,epikv-seg-q:256 --out benchmarks/results/serve/llama-server/fair
+  PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --tokens 1024 --flash-attn off,auto \
+      --rows llama-server,full,epikv-seg-q:256,llama-server-shift@epikv-seg-q:256 --out DIR
   PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py summary --out DIR   # writes DIR/summary.md
 """
 
@@ -26,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -46,6 +57,12 @@ SEQUENCES = 8
 PROMPT_TOKENS = 160  # --max-prompt-tokens: the longest templated prompt of the 8 requests
 BATCH = 256
 THREADS = 2
+FLASH = ("off", "on", "auto")
+SHIFT_AT = "llama-server-shift@"
+SCHEMA = 2  # rows with per-row flash attention, equal-cell context-shift rows and 95 % intervals in the summary
+# t(0.975, df) for df = 1..30; past 30, the Cornish-Fisher expansion below is within 0.001 of it
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def fail(msg: str) -> None:
@@ -112,6 +129,13 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("the server was not healthy in time")
 
 
+def stream_cells(policy: str, k: int) -> int:
+    """The cells `epikv serve --kv streams` gives a stream of POLICY at budget K (derived as the engine does)."""
+    from epikv.policies import get_policy
+
+    return round_up(k + get_policy(policy).tau - 1 + BATCH)
+
+
 def row_spec(name: str, tokens: int, shift_cells: int, flash: str, llama_server: str, cache: str = "f16") -> dict:
     """How to start the server of one row: argv, label, and what is fixed about its cells (cache: both servers' K and
     V cell type, llama.cpp's names)."""
@@ -134,6 +158,17 @@ def row_spec(name: str, tokens: int, shift_cells: int, flash: str, llama_server:
         return {"label": "epikv full", "server": "epikv", "argv": epikv + ["--policy", "full", "--ctx",
                                                                             str(SEQUENCES * every)],
                 "cells_per_sequence": every}
+    if name.startswith(SHIFT_AT):
+        policy, _, k = name.removeprefix(SHIFT_AT).partition(":")
+        if not k.isdigit() or int(k) < 1:
+            fail(f"row {name!r}: give {SHIFT_AT}POLICY:K, the epikv row whose cells it takes")
+        try:
+            cells = stream_cells(policy, int(k))
+        except Exception as e:  # an unknown policy: its own message, in one line
+            fail(f"row {name!r}: {e}")
+        return {"label": f"llama-server --context-shift at {policy} K={k}'s cells ({cells})", "server": "llama-server",
+                "argv": common_ls + ["-c", str(SEQUENCES * cells), "--context-shift"], "cells_per_sequence": cells,
+                "equal_cells_to": name.removeprefix(SHIFT_AT)}
     policy, _, k = name.partition(":")
     if not k.isdigit():
         fail(f"row {name!r}: give llama-server, llama-server-shift, full or POLICY:K")
@@ -166,6 +201,25 @@ def kv_of_llama_server(log: str) -> dict:
     cells = int(m.group(1)) * int(m.group(2))
     return {"kv_mib": round(cells * kv_bytes_per_cell() / 2**20, 1), "cells": cells,
             "cells_per_sequence": int(m.group(2)), "kv_unified": m.group(3)}
+
+
+def flash_settings(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in FLASH for x in out):
+        fail(f"--flash-attn {text!r}: give one or more of {', '.join(FLASH)}, comma-separated")
+    return list(dict.fromkeys(out))
+
+
+def order(specs: dict[str, dict], flashes: list[str], repeat: int) -> list[tuple[str, str]]:
+    """(row, flash attention) in the order one repeat runs them: llama-server and epikv rows alternating, one flash
+    setting after the other, the whole order backwards on odd repeats."""
+    lsr = [n for n in specs if specs[n]["server"] == "llama-server"]
+    epr = [n for n in specs if specs[n]["server"] == "epikv"]
+    names = []
+    for i in range(max(len(lsr), len(epr))):
+        names += lsr[i:i + 1] + epr[i:i + 1]
+    out = [(n, fa) for fa in flashes for n in names]
+    return out if repeat % 2 == 0 else out[::-1]
 
 
 def run_row(spec: dict, tokens: int, logdir: Path, tag: str) -> dict:
@@ -271,40 +325,45 @@ def run(args) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
+    flashes = flash_settings(args.flash_attn)
     done = set()
     if results.exists():
         for line in results.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                done.add((r["tokens"], r["row"], r["repeat"]))
+                done.add((r["tokens"], r["row"], r.get("flash_attn", "off"), r["repeat"]))
     version = subprocess.run([ls, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
     machine = {"cpu": cpu(), "llama_server_version": " / ".join(version), "epikv_commit": commit(),
-               "flash_attn": args.flash_attn, "kv_type": getattr(args, "cache_type", "f16"), "threads": THREADS, "sequences": SEQUENCES,
+               "schema": SCHEMA, "kv_type": args.cache_type, "threads": THREADS, "sequences": SEQUENCES,
                "max_batch_tokens": BATCH, "max_prompt_tokens": PROMPT_TOKENS}
-    specs = {n: row_spec(n, args.tokens, shift, args.flash_attn, ls, getattr(args, "cache_type", "f16"))
-             for n in names}
-    # llama-server and epikv rows alternate; odd repeats run the order backwards
-    lsr = [n for n in names if specs[n]["server"] == "llama-server"]
-    epr = [n for n in names if specs[n]["server"] == "epikv"]
-    order = []
-    for i in range(max(len(lsr), len(epr))):
-        order += lsr[i:i + 1] + epr[i:i + 1]
+    specs = {(n, fa): row_spec(n, args.tokens, shift, fa, ls, args.cache_type) for fa in flashes for n in names}
+    for n in names:  # an equal-cells row needs its epikv row in the same run, to be paired with it
+        if n.startswith(SHIFT_AT) and n.removeprefix(SHIFT_AT) not in names:
+            fail(f"row {n!r}: add the row {n.removeprefix(SHIFT_AT)} it is paired with to --rows")
     for rep in range(args.repeats):
-        for name in (order if rep % 2 == 0 else order[::-1]):
-            if (args.tokens, name, rep) in done:
-                print(f"{name} x {args.tokens}, repeat {rep}: done, skipped", file=sys.stderr)
+        for name, fa in order({n: specs[n, flashes[0]] for n in names}, flashes, rep):
+            what = f"{name} x {args.tokens}, flash attention {fa}, repeat {rep}"
+            if (args.tokens, name, fa, rep) in done:
+                print(f"{what}: done, skipped", file=sys.stderr)
                 continue
-            print(f"{name} x {args.tokens}, repeat {rep} (load {os.getloadavg()[0]:.2f})", file=sys.stderr,
-                  flush=True)
+            print(f"{what} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+            tag = f"{args.tokens}-{name.replace(':', '-').replace('@', '-at-')}-fa-{fa}-r{rep}"
             try:
-                row = run_row(specs[name], args.tokens, logs, f"{args.tokens}-{name.replace(':', '-')}-r{rep}")
+                row = run_row(specs[name, fa], args.tokens, logs, tag)
             except RuntimeError as e:
-                fail(f"{name} x {args.tokens}, repeat {rep}: {e}")
-            row.update(tokens=args.tokens, row=name, repeat=rep, time=time.strftime("%Y-%m-%d %H:%M:%S"), **machine)
+                fail(f"{what}: {e}")
+            row.update(tokens=args.tokens, row=name, repeat=rep, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                       flash_attn=fa, **machine)
+            if specs[name, fa].get("equal_cells_to"):
+                row["equal_cells_to"] = specs[name, fa]["equal_cells_to"]
             with open(results, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"  {row['tokens_per_s']} tok/s, quarters {row['quarters']}, TTFT p50 {row['ttft_p50_s']} s, "
                   f"peak RSS {row['peak_rss_mib']:.0f} MiB, KV {row['kv_mib']} MiB", file=sys.stderr, flush=True)
+            shift = specs.get((SHIFT_AT + name, fa))
+            if shift and row.get("cells_per_sequence") != shift["cells_per_sequence"]:  # the derivation went stale
+                print(f"  warning: epikv's streams hold {row.get('cells_per_sequence')} cells, {SHIFT_AT}{name} runs "
+                      f"on {shift['cells_per_sequence']}: not equal cells", file=sys.stderr, flush=True)
     return summary(args)
 
 
@@ -315,24 +374,58 @@ def _fmt(vals: list[float], digits: int = 1) -> str:
     return f"{med:.{digits}f}" + (f" ({min(vals):.{digits}f}-{max(vals):.{digits}f})" if len(vals) > 1 else "")
 
 
+def interval95(ratios: list[float]) -> tuple[float, float] | None:
+    """The 95 % t interval of per-repeat ratios, on their logs: exp(mean +- t(0.975, n - 1) s / sqrt(n)) of
+    log(ratio) (an interval for their geometric mean); None under 2 ratios."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(x) for x in ratios]
+    df, z = n - 1, 1.959964
+    t = _T975[df - 1] if df <= len(_T975) else z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    half = t * statistics.stdev(logs) / math.sqrt(n)
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def paired(mine: list[dict], base: list[dict], key: str = "tokens_per_s") -> list[float]:
+    """Each of `mine`'s rates over the `base` row's of the same repeat, in repeat order (a repeat either side lacks is
+    left out): the two rows of a pair ran minutes apart on the same machine, so the machine's drift cancels."""
+    by = {b["repeat"]: b for b in base}
+    return [r[key] / by[r["repeat"]][key] for r in sorted(mine, key=lambda r: r["repeat"]) if r["repeat"] in by]
+
+
+def row_key(r: dict) -> str:
+    """A row's name in the summary: the row, with its flash attention unless off (the only setting of older files)."""
+    fa = r.get("flash_attn", "off")
+    return r["row"] if fa == "off" else f"{r['row']}@fa-{fa}"
+
+
 def medians(rows: list[dict]) -> dict[int, dict[str, dict]]:
     """{tokens: {row: figures}}: each row's medians over its repeats, and its ratios to llama-server's (given every
-    cell) paired by repeat, over the run and in the first quarter of the tokens; KV bytes as a fraction of
-    llama-server's."""
+    cell, same flash attention) paired by repeat, over the run and in the first quarter of the tokens, with the 95 %
+    interval of the paired ratios; for an epikv row measured beside `llama-server-shift@` it, the same against
+    context shift at equal cells; KV bytes as a fraction of llama-server's."""
     out: dict[int, dict[str, dict]] = {}
     for tokens in sorted({r["tokens"] for r in rows}):
         rs = [r for r in rows if r["tokens"] == tokens]
-        base = {r["repeat"]: r for r in rs if r["row"] == "llama-server"}
-        ref_kv = next((r["kv_mib"] for r in base.values() if r.get("kv_mib")), None)
+        ref_kv = next((r["kv_mib"] for r in rs if r["row"] == "llama-server" and r.get("kv_mib")), None)
         per = out.setdefault(tokens, {})
-        for name in dict.fromkeys(r["row"] for r in rs):
-            mine = [r for r in rs if r["row"] == name]
-            paired = [(r, base[r["repeat"]]) for r in mine if r["repeat"] in base]
+        for name in dict.fromkeys(row_key(r) for r in rs):
+            mine = [r for r in rs if row_key(r) == name]
+            fa = mine[0].get("flash_attn", "off")
+            same = [r for r in rs if r.get("flash_attn", "off") == fa]
+            base = [r for r in same if r["row"] == "llama-server"]
+            shift = [r for r in same if r["row"] == SHIFT_AT + mine[0]["row"]]
+            ratios = paired(mine, base)
+            with_q = [r for r in mine if r["quarters"]]
+            shift_ratios = paired(mine, shift)
             per[name] = {
-                "label": mine[0]["label"], "repeats": len(mine), "rates": [r["tokens_per_s"] for r in mine],
-                "ratios": [r["tokens_per_s"] / b["tokens_per_s"] for r, b in paired],
-                "q1_ratios": [r["quarters"][0] / b["quarters"][0] for r, b in paired
-                              if r["quarters"] and b["quarters"]],
+                "label": mine[0]["label"], "row": mine[0]["row"], "flash_attn": fa, "repeats": len(mine),
+                "schema": min(r.get("schema", 1) for r in mine), "rates": [r["tokens_per_s"] for r in mine],
+                "ratios": ratios, "ci": interval95(ratios),
+                "q1_ratios": [x[0] / y[0] for x, y in zip(*_pair_quarters(with_q, base)) if x and y],
+                "shift_ratios": shift_ratios, "shift_ci": interval95(shift_ratios),
                 "quarters": [statistics.median(r["quarters"][i] for r in mine if len(r["quarters"]) > i)
                              for i in range(min(len(r["quarters"]) for r in mine))],
                 "ttft": [r["ttft_p50_s"] for r in mine if r["ttft_p50_s"] is not None],
@@ -344,8 +437,25 @@ def medians(rows: list[dict]) -> dict[int, dict[str, dict]]:
     return out
 
 
+def _pair_quarters(mine: list[dict], base: list[dict]) -> tuple[list, list]:
+    """The quarters of `mine` and of the base row of the same repeat, side by side in repeat order."""
+    by = {b["repeat"]: b for b in base if b["quarters"]}
+    ms = [r for r in sorted(mine, key=lambda r: r["repeat"]) if r["repeat"] in by]
+    return [r["quarters"] for r in ms], [by[r["repeat"]]["quarters"] for r in ms]
+
+
+def _ratio_ci(ratios: list[float], ci: tuple[float, float] | None) -> str:
+    if not ratios:
+        return "-"
+    med = f"{statistics.median(ratios):.2f}"
+    return med + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "")
+
+
 def tables(rows: list[dict]) -> str:
-    """The markdown tables of `medians`, one a length, with the machine line first."""
+    """The markdown tables of `medians`, one a length, with the machine line first. Rows of this version of the script
+    (schema 2) get the flash attention, 95 % interval and context-shift columns; older files render as they did."""
+    if all(r.get("schema", 1) >= SCHEMA for r in rows):
+        return _tables_v2(rows)
     cpus = sorted({r["cpu"]["model"] for r in rows})
     simd = sorted({f for r in rows for f in r["cpu"].get("simd", [])})
     lines = [f"CPU: {', '.join(cpus)} ({rows[0]['cpu'].get('cores')} cores; {' '.join(simd) or 'no AVX'}); "
@@ -362,6 +472,35 @@ def tables(rows: list[dict]) -> str:
             base = name == "llama-server"
             lines.append(" | ".join([
                 m["label"], str(m["repeats"]), _fmt(m["rates"]), "1" if base else _fmt(m["ratios"], 2),
+                ", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
+                _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
+                f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
+                f"{min(m['generated']):,}" + ("" if min(m["generated"]) == max(m["generated"]) else
+                                             f"-{max(m['generated']):,}"), f"{m['load']:.2f}"]))
+        lines.append("")
+    return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
+
+
+def _tables_v2(rows: list[dict]) -> str:
+    cpus = sorted({(r["cpu"]["model"], r["cpu"].get("cores"), " ".join(r["cpu"].get("simd", [])) or "no AVX")
+                   for r in rows})
+    lines = [f"CPU: {'; '.join(f'{m} ({c} cores; {f})' for m, c, f in cpus)}"
+             + (" (rows from several CPUs: their ratios mix machines)" if len(cpus) > 1 else "")
+             + f"; llama-server {rows[0]['llama_server_version'].split(' / ')[0]}; epikv "
+             f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; F16 K/V and the flash attention of its row on "
+             f"both; {rows[0]['threads']} threads; {rows[0]['sequences']} requests at once. Ratios: the median of the "
+             "ratios paired by repeat [their 95 % t interval, on the logs of the per-repeat ratios].", ""]
+    for tokens, per in medians(rows).items():
+        lines += [f"{SEQUENCES} x {tokens:,} tokens | flash attention | repeats | tok/s: median (min-max) | "
+                  "x llama-server [95 %] | x context shift at equal cells [95 %] | tok/s per quarter of the tokens | "
+                  "first quarter x llama-server | TTFT p50 (s) | peak RSS (MiB) | KV MiB (cells + mirror) | "
+                  "x llama-server's KV | cells a sequence | tokens generated | max load before",
+                  "|".join(["---"] * 15)]
+        for name, m in per.items():
+            base = m["row"] == "llama-server"
+            lines.append(" | ".join([
+                m["label"], m["flash_attn"], str(m["repeats"]), _fmt(m["rates"]),
+                "1" if base else _ratio_ci(m["ratios"], m["ci"]), _ratio_ci(m["shift_ratios"], m["shift_ci"]),
                 ", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
                 _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
                 f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
@@ -415,18 +554,19 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the rows (resumable), then write the summary")
     r.add_argument("--tokens", type=int, required=True, help="tokens generated per request (forced)")
-    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--rows", default="llama-server,llama-server-shift,full,epikv-seg-q:256,epikv-seg-q:512,"
                                      "epikv-seg-q:1024,streaming:256")
     r.add_argument("--shift-cells", type=int, default=None,
                    help="cells a slot for llama-server-shift (default: an epikv stream's for the smallest K: "
                         "K + tau - 1 + a 256-token chunk, rounded up to 256 as llama.cpp does)")
     r.add_argument("--tau", type=int, default=128, help="the tau of the smallest-K row (for --shift-cells)")
-    r.add_argument("--flash-attn", choices=("on", "off", "auto"), default="off",
-                   help="both servers (default off: the setting under which a stream's answer is batch-invariant)")
+    r.add_argument("--flash-attn", default="off,auto",
+                   help="both servers; off, on, auto, comma-separated: every row runs at each (default off,auto: "
+                        "off, under which a stream's answer is batch-invariant, and llama-server's own default)")
     r.add_argument("--cache-type", default="f16",
                    help="both servers' K and V cell type, llama.cpp's names (f16, q8_0, q4_0, ...; a quantized type "
-                        "needs --flash-attn on)")
+                        "needs flash attention: --flash-attn on or auto)")
     r.add_argument("--llama-server", default=None, help="the binary (default: where build_llama_server.sh puts it)")
     r.add_argument("--out", required=True)
     s = sub.add_parser("summary", help="write DIR/summary.md from DIR/results.jsonl")
@@ -439,9 +579,9 @@ def main(argv=None) -> int:
 
         if args.cache_type not in CACHE_TYPES:
             fail(f"--cache-type {args.cache_type!r}: llama.cpp's types are {', '.join(CACHE_TYPES)}")
-        if CACHE_TYPES[args.cache_type][1] > 1 and args.flash_attn != "on":
-            fail(f"--cache-type {args.cache_type} needs --flash-attn on (llama.cpp refuses a quantized V cache "
-                 "without it)")
+        if CACHE_TYPES[args.cache_type][1] > 1 and "off" in flash_settings(args.flash_attn):
+            fail(f"--cache-type {args.cache_type} needs flash attention, on or auto (llama.cpp refuses a quantized V "
+                 "cache without it)")
         CACHE[0] = args.cache_type
     return run(args) if args.cmd == "run" else summary(args)
 

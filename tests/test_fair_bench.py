@@ -29,11 +29,12 @@ def test_quarters_are_the_rate_over_each_quarter_of_the_tokens(fair):
     assert fair.quarters([]) == []
 
 
-def _row(name, rep, rate, q1, server="epikv"):
-    return {"tokens": 1024, "row": name, "repeat": rep, "label": name, "server": server, "tokens_per_s": rate,
+def _row(name, rep, rate, q1, server="epikv", flash="off", schema=None):
+    return {**({"schema": schema} if schema else {}), "tokens": 1024, "row": name, "repeat": rep, "label": name,
+            "server": server, "tokens_per_s": rate,
             "quarters": [q1, rate, rate, rate], "ttft_p50_s": 1.0, "peak_rss_mib": 500.0, "kv_mib": 10.0,
-            "cells_per_sequence": 512, "load_before": [0.5, 0.5, 0.5], "cpu": {"model": "CPU X"},
-            "llama_server_version": "v", "epikv_commit": "abc", "flash_attn": "off", "kv_type": "f16", "threads": 2,
+            "cells_per_sequence": 512, "load_before": [0.5, 0.5, 0.5], "cpu": {"model": "CPU X", "cores": 2},
+            "llama_server_version": "v", "epikv_commit": "abc", "flash_attn": flash, "kv_type": "f16", "threads": 2,
             "sequences": 8, "generated_tokens": 8192}
 
 
@@ -50,10 +51,15 @@ def test_the_summary_pairs_each_repeat_with_llama_servers_own(fair, tmp_path, ca
 
 
 def test_rows_alternate_servers_and_reverse_on_odd_repeats(fair, tmp_path, monkeypatch):
-    ran = []
+    """Within a repeat: llama-server, epikv, llama-server, ... for each flash attention setting in turn; odd repeats
+    run the whole order backwards; each row's flash attention reaches its server's argv (-fa / --flash-attn) and its
+    row in results.jsonl; a rerun skips what is done."""
+    ran, flags = [], []
 
     def fake_run_row(spec, tokens, logdir, tag):
         ran.append(tag)
+        argv = spec["argv"]
+        flags.append(argv[argv.index("-fa" if spec["server"] == "llama-server" else "--flash-attn") + 1])
         return {**_row(spec["label"], 0, 10.0, 10.0, spec["server"]), "peak_rss_mib": 1.0}
 
     ls = tmp_path / "llama-server"
@@ -62,10 +68,16 @@ def test_rows_alternate_servers_and_reverse_on_odd_repeats(fair, tmp_path, monke
     monkeypatch.setattr(fair, "run_row", fake_run_row)
     monkeypatch.setattr(fair, "gguf", lambda: "model.gguf")
     args = type("A", (), dict(tokens=64, repeats=2, rows="llama-server,full,epikv-seg-q:256", shift_cells=None,
-                              tau=128, flash_attn="off", llama_server=str(ls), out=str(tmp_path / "out")))
+                              tau=128, flash_attn="off,auto", cache_type="f16", llama_server=str(ls), out=str(tmp_path / "out")))
     fair.run(args)
-    assert ran == ["64-llama-server-r0", "64-full-r0", "64-epikv-seg-q-256-r0",
-                   "64-epikv-seg-q-256-r1", "64-full-r1", "64-llama-server-r1"]
+    r0 = ["64-llama-server-fa-off-r0", "64-full-fa-off-r0", "64-epikv-seg-q-256-fa-off-r0",
+          "64-llama-server-fa-auto-r0", "64-full-fa-auto-r0", "64-epikv-seg-q-256-fa-auto-r0"]
+    assert ran == r0 + [t.replace("-r0", "-r1") for t in reversed(r0)]
+    assert flags == [t.split("-fa-")[1][:-3] for t in ran]  # off x 3, auto x 3, then backwards
+    rows = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["flash_attn"], r["repeat"]) for r in rows][:4] == [
+        ("llama-server", "off", 0), ("full", "off", 0), ("epikv-seg-q:256", "off", 0), ("llama-server", "auto", 0)]
+    assert {r["schema"] for r in rows} == {fair.SCHEMA}
     ran.clear()
     fair.run(args)  # resumable: everything done is skipped
     assert ran == []
@@ -76,6 +88,12 @@ def test_rows_alternate_servers_and_reverse_on_odd_repeats(fair, tmp_path, monke
     (["run", "--tokens", "8", "--rows", "seg-q", "--llama-server", "/bin/true", "--out", "OUT"], "give llama-server"),
     (["run", "--tokens", "8", "--llama-server", "/no/such", "--out", "x"], "no llama-server at /no/such"),
     (["summary", "--out", "/no/such"], "no results at"),
+    (["run", "--tokens", "8", "--flash-attn", "off,fast", "--llama-server", "/bin/true", "--out", "OUT"],
+     "--flash-attn 'off,fast': give one or more of off, on, auto"),
+    (["run", "--tokens", "8", "--rows", "llama-server,llama-server-shift@epikv-seg-q:256", "--llama-server",
+      "/bin/true", "--out", "OUT"], "add the row epikv-seg-q:256 it is paired with"),
+    (["run", "--tokens", "8", "--rows", "llama-server-shift@epikv-seg-q", "--llama-server", "/bin/true", "--out",
+      "OUT"], "give llama-server-shift@POLICY:K"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, tmp_path):
     argv = [str(tmp_path / "o") if a == "OUT" else a for a in argv]
@@ -135,3 +153,66 @@ def test_profile_shares_split_the_engine_threads_busy_samples(tmp_path):
     path.write_text(lines[-1] + "\n")  # no engine thread: a clear error, not an IndexError
     with pytest.raises(ValueError, match="no busy sample of the engine thread"):
         mod.engine_shares(str(path))
+
+
+def test_paired_ratios_and_their_95_percent_interval_by_hand(fair, tmp_path):
+    """Each row over llama-server's row of the same repeat and the same flash attention, and over its equal-cells
+    context-shift row; the interval is the t interval of the logs of the per-repeat ratios. By hand: llama-server runs
+    100, 50, 80 tok/s and Seg-Q 100, 100, 320, so the ratios are 1, 2, 4, their log2 0, 1, 2 (mean 1, s 1), and the
+    interval 2 ** (1 -+ t(0.975, 2) / sqrt(3)) = 2 ** (1 -+ 4.303 / 1.732) = 0.357 to 11.19 (median 2.00). Context
+    shift runs 50, 100, 160: ratios 2, 1, 2, log2 1, 0, 1 (mean 2/3, s 1/sqrt(3)): 2 ** (2/3 -+ 4.303 / 3) = 0.587 to
+    4.29. Flash attention auto pairs with llama-server's auto row only: 90 / 180 = 0.50, one repeat, no interval."""
+    seg, shift = "epikv-seg-q:256", "llama-server-shift@epikv-seg-q:256"
+    rows = [_row("llama-server", i, v, v, "llama-server", schema=2) for i, v in enumerate([100.0, 50.0, 80.0])]
+    rows += [_row(seg, i, v, v, schema=2) for i, v in enumerate([100.0, 100.0, 320.0])]
+    rows += [_row(shift, i, v, v, "llama-server", schema=2) for i, v in enumerate([50.0, 100.0, 160.0])]
+    rows += [_row("llama-server", 0, 180.0, 180.0, "llama-server", "auto", 2),
+             _row(seg, 0, 90.0, 90.0, flash="auto", schema=2)]
+    m = fair.medians(rows)[1024]
+    assert m[seg]["ratios"] == [1.0, 2.0, 4.0]
+    assert m[seg]["ci"] == pytest.approx((0.357412, 11.191552), rel=1e-5)
+    assert m[seg]["shift_ratios"] == [2.0, 1.0, 2.0]
+    assert m[seg]["shift_ci"] == pytest.approx((0.587367, 4.290066), rel=1e-5)
+    assert m[seg + "@fa-auto"]["ratios"] == [0.5] and m[seg + "@fa-auto"]["ci"] is None
+    assert fair.interval95([1.5]) is None
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    fair.summary(type("A", (), {"out": str(tmp_path)}))
+    cells = [next(x for x in (tmp_path / "summary.md").read_text().splitlines() if x.startswith(f"| {seg} | {fa} "))
+             .split(" | ") for fa in ("off", "auto")]
+    assert cells[0][1:6] == ["off", "3", "100.0 (100.0-320.0)", "2.00 [0.36-11.19]", "2.00 [0.59-4.29]"]
+    assert cells[1][1:6] == ["auto", "1", "90.0", "0.50", "-"]
+
+
+def test_both_servers_get_the_rows_flash_attention_and_context_shift_gets_the_epikv_rows_cells(fair, monkeypatch):
+    """-fa (llama-server) and --flash-attn (epikv serve) carry the row's setting; `llama-server-shift@POLICY:K` runs
+    llama-server --context-shift on 8 slots of exactly the cells epikv serve gives a stream of POLICY at K: Seg-Q
+    (tau 128) at 256, 256 + 127 + a 256-token chunk = 639, rounded up to 768, as the committed fair run measured;
+    streaming (tau 1) at 256: 512."""
+    monkeypatch.setattr(fair, "gguf", lambda: "model.gguf")
+    for fa in ("off", "on", "auto"):
+        for name in ("llama-server", "llama-server-shift@epikv-seg-q:256", "full", "epikv-seg-q:256"):
+            spec = fair.row_spec(name, 1024, 768, fa, "/ls")
+            flag = "-fa" if spec["server"] == "llama-server" else "--flash-attn"
+            assert spec["argv"][spec["argv"].index(flag) + 1] == fa, (name, fa)
+    spec = fair.row_spec("llama-server-shift@epikv-seg-q:256", 1024, 999, "auto", "/ls")
+    assert "--context-shift" in spec["argv"] and spec["argv"][spec["argv"].index("-c") + 1] == str(8 * 768)
+    assert spec["cells_per_sequence"] == 768 and spec["equal_cells_to"] == "epikv-seg-q:256"
+    assert fair.row_spec("llama-server-shift@streaming:256", 1024, 999, "off", "/ls")["cells_per_sequence"] == 512
+
+
+def test_render_shows_the_interval_for_new_rows_and_older_files_as_before(tmp_path, monkeypatch):
+    """benchmarks/render.py renders the fair script's tables from a raw file: a schema-2 file's paired ratios with
+    their 95 % interval (in the table and the README's line), a committed older file without one."""
+    spec = importlib.util.spec_from_file_location("epikv_render_fair", ROOT / "benchmarks" / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    old = render._fair_block(render.FAIR, "cmd")
+    assert "[" not in old.split("Issue 50")[0] and "x llama-server (paired)" in old
+    seg = "epikv-seg-q:256"
+    rows = [_row("llama-server", i, v, v, "llama-server", schema=2) for i, v in enumerate([100.0, 50.0, 80.0])]
+    rows += [_row(seg, i, v, v, schema=2) for i, v in enumerate([100.0, 100.0, 320.0])]
+    (tmp_path / "new.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    monkeypatch.setattr(render, "source_line", lambda files, command: "")  # (it asks git for the file's date)
+    assert "| 2.00 [0.36-11.19] |" in render._fair_block("new.jsonl", "cmd")
+    assert f"{seg} 2.00x [95 %: 0.36-11.19]" in render._fair_headline(rows)[1]
