@@ -241,8 +241,8 @@ def test_openai_client_blocks_run_against_a_server(tiny, monkeypatch):
     (code,) = [b for b in blocks("python", "docs/serve.md") if "from openai import" in b]
     backend = Scripted(tiny.tokenizer, eos=tiny.tokenizer.eos_token_id)
     backend.sampling_fields = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
-    app = App(backend, tiny.tokenizer, reasoning_parser="deepseek-r1")
-    app.server.model_name = "smollm2"  # served under the block's name, so the block runs as printed
+    # served under the block's name, so the block runs as printed
+    app = App(backend, tiny.tokenizer, reasoning_parser="deepseek-r1", aliases=("smollm2",))
     try:
         code = code.replace("http://127.0.0.1:8000", app.url)  # the block as printed, but for the test server's port
         printed: list = []
