@@ -37,7 +37,8 @@ from .sequence import CellCounter, SequenceCache, kv_plan
 # keys/values or the keys/values of arriving tokens (captured from the graph: Qcur / Kcur / Vcur, with a key/value
 # mirror); the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
-             "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key", "epikv-learned-mean")
+             "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key", "epikv-learned-mean",
+             "epikv-learned-decay", "epikv-learned-window", "epikv-learned-age")
 """The built-in policies llama.cpp runs (exactly those `check_policy` lets through: tests/test_llamacpp.py)."""
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of the K and V cache

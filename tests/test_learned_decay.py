@@ -1,0 +1,132 @@
+"""Scores that age (issue 57 item 1): epikv-learned-decay's priority against a plain loop recomputation (the arrival
+score recomputed by hand from the hidden states the policy was shown, then multiplied by beta once per step of age)
+over runs with evictions, in the torch engine and in llama.cpp, whose keep sets must be the ones that priority
+gives; and the two controls' rules (a window that is a fraction of K, a fixed age penalty)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from epikv.engine import Decoder
+from epikv.errors import EpiKVError
+from epikv.policies import get_policy
+from epikv.policies.learned import feature_block, load_weights
+
+from conftest import write_random_weights
+
+
+def arrival_score(lw, hidden: dict, n_layers: int) -> float:
+    """epikv-learned-mean's score of one token by hand: per layer and KV head a dot product of the standardised
+    hidden state entering the layer with the head's weights, plus its bias; their mean."""
+    total, count = 0.0, 0
+    for l in range(n_layers):
+        h = hidden[feature_block(l)].double()
+        x = [(float(h[d]) - float(lw.mean[l, d])) / float(lw.std[l, d]) for d in range(h.shape[0])]
+        for g in range(lw.shape[1]):
+            total += sum(x[d] * float(lw.weight[l, g, d]) for d in range(len(x))) + float(lw.bias[l, g])
+            count += 1
+    return total / count
+
+
+def decayed(score: float, age: int, beta: float) -> float:
+    """exp(score) * beta^age, one multiplication per step of age, back in the score's log scale."""
+    r = math.exp(score)
+    for _ in range(age):
+        r *= beta
+    return math.log(r)
+
+
+def kept_by(priority: list[float], n_prompt: int, K: int, recent: int) -> list[int]:
+    """The keep rule written out: the prompt, the newest `recent`, and the top priorities of the rest (ties to the
+    newer token)."""
+    n = len(priority)
+    middle = sorted(range(n_prompt, n - recent), key=lambda j: (priority[j], j), reverse=True)
+    return sorted(list(range(n_prompt)) + middle[: K - n_prompt - recent] + list(range(n - recent, n)))
+
+
+def record(policy, arrivals: dict, calls: list) -> None:
+    """Wrap a policy object: every token's hidden states by true position as it arrives, and every eviction's
+    (positions, priority) the policy returned."""
+    on_tokens, scores = policy.on_tokens, policy.scores
+
+    def seen(state, obs):
+        for j in range(obs.positions.shape[1]):
+            arrivals[int(obs.positions[0, j])] = {b: h[0, j] for b, h in obs.hidden.items()}
+        return on_tokens(state, obs)
+
+    def scored(state, view):
+        out = scores(state, view)
+        calls.append((view.token_data["pos"][0].tolist(), out[0].tolist()))
+        return out
+
+    policy.on_tokens, policy.scores = seen, scored
+
+
+def check_against_loop(lw, n_layers, arrivals, calls, keeps, beta, n_prompt, K, recent, tol):
+    assert len(calls) == len(keeps) > 3
+    for (pos, got), kept in zip(calls, keeps):
+        t = max(pos)
+        want = [decayed(arrival_score(lw, arrivals[p], n_layers), t - p, beta) for p in pos]
+        assert max(abs(a - b) for a, b in zip(got, want)) < tol, (t, got, want)
+        assert kept == [pos[j] for j in kept_by(want, n_prompt, K, recent)]
+
+
+def test_decayed_score_equals_a_loop_recomputation_in_the_torch_engine(tiny, tmp_path):
+    """Mutants that fail it: the age off by one (t - i + 1), the decay applied twice (2 (t - i) ln beta)."""
+    path = write_random_weights(tmp_path / "w.safetensors", 4, 2, 64, seed=3)
+    K, recent, beta = 24, 4, 0.8
+    dec = Decoder(tiny.model, "epikv-learned-decay", K, recent=recent, weights=path, beta=beta)
+    arrivals, calls, keeps = {}, [], []
+    record(dec.cache.policy, arrivals, calls)
+    orig = dec.cache.evict
+    dec.cache.evict = lambda: keeps.append(orig()) or keeps[-1]
+    ids = torch.randint(3, 1000, (1, 60), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        dec.prefill(ids[:, :4], [0])
+        for i in range(4, 60):
+            dec.step(ids[:, i : i + 1])
+    kept = [[calls[e][0][j] for j in k[0].tolist()] for e, k in enumerate(keeps)]
+    check_against_loop(load_weights(path), 4, arrivals, calls, kept, beta, 4, K, recent, 1e-4)
+
+
+def test_decay_reorders_what_the_arrival_score_keeps(tiny, tmp_path):
+    """Not a no-op: with a strong decay the keep sets differ from epikv-learned-mean's and hold newer tokens."""
+    path = write_random_weights(tmp_path / "w.safetensors", 4, 2, 64, seed=3)
+    ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for name, kw in (("epikv-learned-mean", {}), ("epikv-learned-decay", {"beta": 0.5})):
+        dec = Decoder(tiny.model, name, 24, recent=4, weights=path, **kw)
+        with torch.inference_mode():
+            dec.prefill(ids[:, :4], [0])
+            for i in range(4, 80):
+                dec.step(ids[:, i : i + 1])
+        out[name] = dec.cache.token_data["pos"][0].tolist()
+    assert out["epikv-learned-decay"] != out["epikv-learned-mean"]
+    assert sum(out["epikv-learned-decay"]) > sum(out["epikv-learned-mean"])
+
+
+def test_controls_window_and_age_penalty(tiny, tmp_path):
+    """epikv-learned-window protects floor(window * K) newest tokens (mutant: the default min(128, K/4));
+    epikv-learned-age is the arrival score minus penalty x age (mutant: plus)."""
+    from epikv.policies import CacheView
+
+    assert get_policy("epikv-learned-window").recent_window(1024) == 512
+    assert get_policy("epikv-learned-window", window=0.25).recent_window(100) == 25
+    assert get_policy("epikv-learned-window", window=0.25, recent=7).recent_window(100) == 7
+    for name, kw in (("epikv-learned-window", {"window": 1.5}), ("epikv-learned-window", {"window": 0.0}),
+                     ("epikv-learned-decay", {"beta": 1.5}), ("epikv-learned-decay", {"beta": 0.0}),
+                     ("epikv-learned-age", {"penalty": -1.0})):
+        with pytest.raises(EpiKVError, match=f"{name}: "):
+            get_policy(name, **kw)
+    score = torch.tensor([[0.5, 0.2, -1.0, 3.0]])
+    view = CacheView(length=4, budget=2, token_data={"score": score, "pos": torch.tensor([[0, 3, 7, 10]])},
+                     n_pad=torch.zeros(1, dtype=torch.long), n_protect=torch.zeros(1, dtype=torch.long), recent=1,
+                     keys=[], values=[], device=torch.device("cpu"))
+    got = get_policy("epikv-learned-age", penalty=0.1).scores(None, view)
+    assert torch.allclose(got, torch.tensor([[0.5 - 1.0, 0.2 - 0.7, -1.0 - 0.3, 3.0]]))
+    got = get_policy("epikv-learned-decay", beta=0.5).scores(None, view)
+    want = torch.tensor([[decayed(0.5, 10, 0.5), decayed(0.2, 7, 0.5), decayed(-1.0, 3, 0.5), 3.0]])
+    assert torch.allclose(got, want, atol=1e-5)
