@@ -20,13 +20,12 @@ from conftest import write_random_weights
 
 def arrival_score(lw, hidden: dict, n_layers: int) -> float:
     """epikv-learned-mean's score of one token by hand: per layer and KV head a dot product of the standardised
-    hidden state entering the layer with the head's weights, plus its bias; their mean."""
+    hidden state entering the layer with the head's weights, plus its bias; their mean (float64)."""
     total, count = 0.0, 0
     for l in range(n_layers):
-        h = hidden[feature_block(l)].double()
-        x = [(float(h[d]) - float(lw.mean[l, d])) / float(lw.std[l, d]) for d in range(h.shape[0])]
+        x = (hidden[feature_block(l)].double() - lw.mean[l].double()) / lw.std[l].double()
         for g in range(lw.shape[1]):
-            total += sum(x[d] * float(lw.weight[l, g, d]) for d in range(len(x))) + float(lw.bias[l, g])
+            total += float(torch.dot(x, lw.weight[l, g].double())) + float(lw.bias[l, g])
             count += 1
     return total / count
 
@@ -66,11 +65,17 @@ def record(policy, arrivals: dict, calls: list) -> None:
 
 
 def check_against_loop(lw, n_layers, arrivals, calls, keeps, beta, n_prompt, K, recent, tol):
+    """Every eviction's priority equals the loop's (the recent window aside: llama.cpp scores it later, and no keep
+    rule reads it), and the keep set applied is the one the loop's priority gives."""
     assert len(calls) == len(keeps) > 3
+    memo: dict[int, float] = {}
     for (pos, got), kept in zip(calls, keeps):
         t = max(pos)
-        want = [decayed(arrival_score(lw, arrivals[p], n_layers), t - p, beta) for p in pos]
-        assert max(abs(a - b) for a, b in zip(got, want)) < tol, (t, got, want)
+        for p in pos[:-recent]:
+            if p not in memo:
+                memo[p] = arrival_score(lw, arrivals[p], n_layers)
+        want = [decayed(memo[p], t - p, beta) for p in pos[:-recent]] + [0.0] * recent
+        assert max(abs(a - b) for a, b in zip(got[:-recent], want)) < tol, (t, got, want)
         assert kept == [pos[j] for j in kept_by(want, n_prompt, K, recent)]
 
 
@@ -130,3 +135,27 @@ def test_controls_window_and_age_penalty(tiny, tmp_path):
     got = get_policy("epikv-learned-decay", beta=0.5).scores(None, view)
     want = torch.tensor([[decayed(0.5, 10, 0.5), decayed(0.2, 7, 0.5), decayed(-1.0, 3, 0.5), 3.0]])
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_decayed_score_equals_a_loop_recomputation_in_llamacpp():
+    """The same in llama.cpp on the embedded GGUF with the shipped SmolLM2 weights: the hidden states it captured,
+    scored by hand and decayed by the loop, give every keep set it applied (true positions, chunked scoring)."""
+    from epikv.engine import encode_prompts
+    from epikv.llamacpp import LlamaDecoder, available, load_gguf
+    from epikv.policies.learned import shipped_weights
+    import numpy as np
+
+    assert available(), "llama-cpp-python is missing: run `bash scripts/install.sh --llamacpp`"
+    gm = load_gguf("smollm2")
+    ids = encode_prompts(gm.tokenizer, ["Explain step by step why the sum of two odd numbers is even."], chat=True)[0]
+    K, recent, beta = 64, 8, 0.95
+    dec = LlamaDecoder(gm, "epikv-learned-decay", K, max_tokens=len(ids) + 100, threads=1, recent=recent, beta=beta)
+    arrivals, calls, keeps = {}, [], []
+    record(dec.policy, arrivals, calls)
+    dec.on_evict = lambda d, keep: keeps.append(d.positions[keep].tolist())
+    logits = dec.prefill(ids)
+    for _ in range(100):
+        logits = dec.step(int(np.argmax(logits)))
+    lw = load_weights(shipped_weights()[0])
+    assert lw.shape[0] == 30
+    check_against_loop(lw, 30, arrivals, calls, keeps, beta, len(ids), K, recent, 1e-3)
