@@ -220,9 +220,11 @@ def test_keep_sets_per_kv_head_on_torch_and_one_per_token_served(tiny, tmp_path)
     assert check_serving(tiny.model, ServeSpec(policy="epikv-learned-mean", **spec)).name == "epikv-learned-mean"
 
 
-def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch):
-    """epikv-learned-mean in the paged server (page 4, 2 requests in one forward) keeps the torch engine's batch-1
-    sets at page 4 at every eviction, with the same tokens."""
+@pytest.mark.parametrize("name", ["epikv-learned-mean", "epikv-learned-decay", "epikv-learned-window",
+                                  "epikv-learned-age"])
+def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch, name):
+    """epikv-learned-mean and its ageing variants (issue 57) in the paged server (page 4, 2 requests in one forward)
+    keep the torch engine's batch-1 sets at page 4 at every eviction, with the same tokens."""
     from epikv import generate
     from epikv.serving import ServeSpec, run_batch
 
@@ -233,13 +235,14 @@ def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatc
     LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
                    {"model": "random:tiny"}).save(path)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (20, 33)]
-    spec = ServeSpec(policy="epikv-learned-mean", budget=64, page=4, num_blocks=128, max_batch_tokens=32, recency=8,
-                     settings={"weights": str(path)})
+    extra = {"epikv-learned-decay": {"beta": 0.9}, "epikv-learned-age": {"penalty": 0.1}}.get(name, {})
+    spec = ServeSpec(policy=name, budget=64, page=4, num_blocks=128, max_batch_tokens=32, recency=8,
+                     settings={"weights": str(path), **extra})
     outs, stats = run_batch(tiny.model, spec, prompts, 100)
     served = sorted(seen.values())
     seen.clear()
-    refs = [generate(tiny.model, tiny.tokenizer, [p], policy="epikv-learned-mean", budget=64, max_new_tokens=100,
-                     page=4, recent=8, weights=str(path)) for p in prompts]
+    refs = [generate(tiny.model, tiny.tokenizer, [p], policy=name, budget=64, max_new_tokens=100,
+                     page=4, recent=8, weights=str(path), **extra) for p in prompts]
     assert outs == [r.token_ids[0] for r in refs]
     assert served == sorted(seen.values()) and len(served) == 2
     assert stats["evictions"] == sum(r.stats["evictions"] for r in refs) > 0

@@ -159,3 +159,43 @@ def test_decayed_score_equals_a_loop_recomputation_in_llamacpp():
     lw = load_weights(shipped_weights()[0])
     assert lw.shape[0] == 30
     check_against_loop(lw, 30, arrivals, calls, keeps, beta, len(ids), K, recent, 1e-3)
+
+
+@pytest.mark.parametrize("name, kw", [("epikv-learned-decay", {"beta": 0.9}), ("epikv-learned-window", {"window": 0.25}),
+                                      ("epikv-learned-age", {"penalty": 0.1})])
+def test_llamacpp_server_keeps_what_generate_keeps(name, kw, request, monkeypatch):
+    """The ageing policies in the llama.cpp server (two requests, served one at a time as in test_llamacpp_serving:
+    batched decodes differ in the last bits): every request's keep sets, by true position, are those llama.cpp's
+    generate applies to it, and so are its tokens."""
+    from epikv.engine import encode_prompts
+    from epikv.llamacpp import generate, load_gguf
+    from epikv.llamacpp.sequence import SequenceCache
+    from epikv.serving.llamacpp import LlamaBackend
+
+    gm = load_gguf("smollm2")
+    seen: list = []
+    orig = SequenceCache.remove
+
+    def remove(self, keep):
+        seen.append((self.seen, tuple(self.positions[keep].tolist())))
+        return orig(self, keep)
+
+    monkeypatch.setattr(SequenceCache, "remove", remove)
+    prompts = [encode_prompts(gm.tokenizer, [f"Question {i}: what is {i} plus {2 * i + 1}? Think step by step."],
+                              chat=True)[0] for i in range(2)]
+    args = dict(policy=name, budget=80, tau=4, flash_attn=False, threads=1, **kw)
+    be = LlamaBackend(gm, ctx=320, sequences=1, max_batch_tokens=64, kv="unified", **args)
+    request.addfinalizer(be.stop)
+    for k, ids in enumerate(prompts):
+        be.submit(str(k), ids, 80, sampling=None, seed=k, ignore_eos=False)
+    done = {}
+    while len(done) < 2:
+        o = be.next_output(60)
+        assert o is not None and o.error is None
+        if o.finished:
+            done[o.request_id] = o.tokens
+    served = sorted(seen)
+    seen.clear()
+    refs = [generate(gm, ids, max_new_tokens=80, **args) for ids in prompts]
+    assert [done[str(k)] for k in range(2)] == [r.token_ids[0] for r in refs]
+    assert served == sorted(seen) and len(served) > 6
