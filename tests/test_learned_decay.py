@@ -119,9 +119,9 @@ def test_controls_window_and_age_penalty(tiny, tmp_path):
     from epikv.policies import CacheView
 
     assert get_policy("epikv-learned-window").recent_window(1024) == 512
-    assert get_policy("epikv-learned-window", window=0.25).recent_window(100) == 25
-    assert get_policy("epikv-learned-window", window=0.25, recent=7).recent_window(100) == 7
-    for name, kw in (("epikv-learned-window", {"window": 1.5}), ("epikv-learned-window", {"window": 0.0}),
+    assert get_policy("epikv-learned-window", recent_frac=0.25).recent_window(100) == 25
+    assert get_policy("epikv-learned-window", recent_frac=0.25, recent=7).recent_window(100) == 7
+    for name, kw in (("epikv-learned-window", {"recent_frac": 1.5}), ("epikv-learned-window", {"recent_frac": 0.0}),
                      ("epikv-learned-decay", {"beta": 1.5}), ("epikv-learned-decay", {"beta": 0.0}),
                      ("epikv-learned-age", {"penalty": -1.0})):
         with pytest.raises(EpiKVError, match=f"{name}: "):
@@ -161,7 +161,8 @@ def test_decayed_score_equals_a_loop_recomputation_in_llamacpp():
     check_against_loop(lw, 30, arrivals, calls, keeps, beta, len(ids), K, recent, 1e-3)
 
 
-@pytest.mark.parametrize("name, kw", [("epikv-learned-decay", {"beta": 0.9}), ("epikv-learned-window", {"window": 0.25}),
+@pytest.mark.parametrize("name, kw", [("epikv-learned-decay", {"beta": 0.9}),
+                                      ("epikv-learned-window", {"recent_frac": 0.25}),
                                       ("epikv-learned-age", {"penalty": 0.1})])
 def test_llamacpp_server_keeps_what_generate_keeps(name, kw, request, monkeypatch):
     """The ageing policies in the llama.cpp server (two requests, served one at a time as in test_llamacpp_serving:

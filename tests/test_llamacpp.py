@@ -338,7 +338,7 @@ def test_policy_matrix(gm, prompt_ids, name):
             generate(gm, PROMPT, policy=name, budget=72, max_new_tokens=4, chat=True)
         return
     # epikv-learned-window's default half of K does not fit beside this 49-token prompt in 72
-    extra = {"window": 0.25} if name == "epikv-learned-window" else {}
+    extra = {"recent_frac": 0.25} if name == "epikv-learned-window" else {}
     res = generate(gm, PROMPT, policy=name, budget=72, tau=2 if name == "random" else 8 if "seg" in name else None,
                    max_new_tokens=40, chat=True, threads=1, **extra)
     st = res.stats
