@@ -200,3 +200,40 @@ def test_llamacpp_server_keeps_what_generate_keeps(name, kw, request, monkeypatc
     refs = [generate(gm, ids, max_new_tokens=80, **args) for ids in prompts]
     assert [done[str(k)] for k in range(2)] == [r.token_ids[0] for r in refs]
     assert served == sorted(seen) and len(served) > 6
+
+
+def test_weights_of_another_model_of_the_same_shape_are_refused_in_one_line(tiny, tmp_path):
+    """Issue 57 item 2: weights carry the fingerprint of the model they were fitted on (architecture, shapes and a
+    checksum of some weights); a model of the same shape with other weights (a fine-tune) is refused in one line by
+    the torch engine and the paged server, the model itself is accepted (in another dtype too). Mutant: comparing
+    the shapes only (the signature part of the fingerprint) lets the fine-tune through."""
+    import copy
+
+    from epikv.fingerprint import model_fingerprint
+    from epikv.policies.learned import LearnedWeights
+    from epikv.serving import ServeSpec, check_serving
+
+    fp = model_fingerprint(tiny.model, tiny.model.model.layers)
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "w.safetensors"
+    LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
+                   {"model": "tiny", "fingerprint": fp}).save(path)
+    Decoder(tiny.model, "epikv-learned-decay", 24, weights=str(path))  # its own model: accepted
+    half = copy.deepcopy(tiny.model).to(torch.bfloat16)
+    assert model_fingerprint(half, half.model.layers) == fp  # the dtype does not change it
+    tuned = copy.deepcopy(tiny.model)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+    other = model_fingerprint(tuned, tuned.model.layers)
+    assert other.split("|")[0] == fp.split("|")[0] and other != fp  # same architecture and shapes, other weights
+    for name in ("epikv-learned", "epikv-learned-mean", "epikv-learned-decay"):
+        with pytest.raises(EpiKVError) as e:
+            Decoder(tuned, name, 24, weights=str(path))
+        msg = str(e.value)
+        assert "\n" not in msg and "other weights" in msg and "epikv calibrate" in msg, msg
+    spec = ServeSpec(policy="epikv-learned-age", budget=64, page=8, num_blocks=32, max_batch_tokens=32,
+                     settings={"weights": str(path)})
+    with pytest.raises(EpiKVError, match="other weights"):
+        check_serving(tuned, spec)
+    assert check_serving(tiny.model, spec).name == "epikv-learned-age"
