@@ -148,6 +148,10 @@ def test_calibrate_command_is_resumable(tiny, tmp_path, capsys, monkeypatch):
     assert code == 0 and json.loads(out)["texts"] == 4
     a, b = load_weights(tmp_path / "once.safetensors"), load_weights(tmp_path / "twice.safetensors")
     assert torch.allclose(a.weight, b.weight, atol=1e-5) and torch.allclose(a.bias, b.bias, atol=1e-6)
+    from epikv.fingerprint import model_fingerprint
+
+    # the weights name the model they were fitted on (issue 57 item 2; random:tiny is built from a fixed seed)
+    assert a.meta["fingerprint"] == model_fingerprint(tiny.model, tiny.model.model.layers)
     # bad inputs: one line, exit 2
     for extra, words in ((["--texts", str(tmp_path / "none.jsonl")], "does not exist"),
                          (["--field", "nope"], "no text in field 'nope'"), (["--attn", "sdpa"], "eager")):
