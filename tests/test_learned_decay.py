@@ -237,3 +237,25 @@ def test_weights_of_another_model_of_the_same_shape_are_refused_in_one_line(tiny
     with pytest.raises(EpiKVError, match="other weights"):
         check_serving(tuned, spec)
     assert check_serving(tiny.model, spec).name == "epikv-learned-age"
+
+
+def test_shipped_weights_refuse_a_same_shape_fine_tune_of_smollm2(smollm2):
+    """The shipped SmolLM2 weights carry its fingerprint: SmolLM2 itself runs them, the same model with one sampled
+    tensor nudged (as a fine-tune would) is refused in one line when no weights are named (the issue's case: a
+    fine-tune of SmolLM2's shape silently got SmolLM2's weights)."""
+    from epikv.policies.learned import load_weights, shipped_weights
+
+    assert load_weights(shipped_weights()[0]).meta["fingerprint"].endswith("|ddd329c734b5459a")
+    Decoder(smollm2.model, "epikv-learned-mean", 64)
+    w = smollm2.model.model.layers[0].self_attn.q_proj.weight
+    keep = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 1e-3)
+        with pytest.raises(EpiKVError) as e:
+            Decoder(smollm2.model, "epikv-learned-decay", 64)
+        assert "\n" not in str(e.value) and "other weights" in str(e.value), str(e.value)
+    finally:
+        with torch.no_grad():
+            w.copy_(keep)
+    Decoder(smollm2.model, "epikv-learned-decay", 64)
