@@ -16,6 +16,7 @@ import json
 import torch
 
 SAMPLE = 4096  # values taken from each sampled tensor
+UNKNOWN = "unknown"  # the checksum of a model whose sampled weights are not in memory (offloaded)
 
 
 def model_signature(model) -> dict:
@@ -36,6 +37,8 @@ def weights_checksum(model, layers) -> str:
     h = hashlib.sha256()
     with torch.no_grad():
         for t in tensors:
+            if t.device.type == "meta":  # offloaded (device_map): no values to read; compared by shape alone
+                return UNKNOWN
             flat = t.detach().reshape(-1)[:SAMPLE].to("cpu", torch.bfloat16)
             h.update(flat.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -113,7 +113,7 @@ def check_fingerprint(lw: LearnedWeights, fingerprint: str) -> None:
     and a checksum of some weights: epikv/fingerprint.py) against the model's. Weights written before fingerprints
     carry none and are checked by shape alone (check_shape)."""
     have = lw.meta.get("fingerprint")
-    if not have or have == fingerprint:
+    if not have or have == fingerprint or fingerprint.endswith("|unknown"):  # unknown: offloaded, shape check only
         return
     same_shape = have.rsplit("|", 1)[0] == fingerprint.rsplit("|", 1)[0]
     why = ("the same architecture and shapes but other weights (a fine-tune or another checkpoint)" if same_shape
