@@ -41,7 +41,8 @@ def write_random_weights(path, n_layers: int, kv_heads: int, hidden: int, seed: 
 @pytest.fixture(scope="session")
 def tiny_settings(tmp_path_factory):
     """settings(name) -> the policy settings a test passes to run `name` on random:tiny: random weights of its shape
-    for a learned score, nothing for any other policy."""
+    for a learned score (and a quarter-K window for epikv-learned-window, whose half of K does not fit beside the
+    tests' prompts in their small budgets), nothing for any other policy."""
     import dataclasses
 
     from epikv.policies import REGISTRY
@@ -52,7 +53,8 @@ def tiny_settings(tmp_path_factory):
         fields = {f.name for f in dataclasses.fields(REGISTRY[name])}
         if "weights" not in fields:
             return {}
-        return {"weights": write_random_weights(folder / f"{name}.safetensors", 4, 2, 64)}
+        extra = {"recent_frac": 0.25} if name == "epikv-learned-window" else {}  # half of a tiny K leaves no room
+        return {"weights": write_random_weights(folder / f"{name}.safetensors", 4, 2, 64), **extra}
 
     return settings
 

@@ -148,6 +148,10 @@ def test_calibrate_command_is_resumable(tiny, tmp_path, capsys, monkeypatch):
     assert code == 0 and json.loads(out)["texts"] == 4
     a, b = load_weights(tmp_path / "once.safetensors"), load_weights(tmp_path / "twice.safetensors")
     assert torch.allclose(a.weight, b.weight, atol=1e-5) and torch.allclose(a.bias, b.bias, atol=1e-6)
+    from epikv.fingerprint import model_fingerprint
+
+    # the weights name the model they were fitted on (issue 57 item 2; random:tiny is built from a fixed seed)
+    assert a.meta["fingerprint"] == model_fingerprint(tiny.model, tiny.model.model.layers)
     # bad inputs: one line, exit 2
     for extra, words in ((["--texts", str(tmp_path / "none.jsonl")], "does not exist"),
                          (["--field", "nope"], "no text in field 'nope'"), (["--attn", "sdpa"], "eager")):
@@ -220,9 +224,11 @@ def test_keep_sets_per_kv_head_on_torch_and_one_per_token_served(tiny, tmp_path)
     assert check_serving(tiny.model, ServeSpec(policy="epikv-learned-mean", **spec)).name == "epikv-learned-mean"
 
 
-def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch):
-    """epikv-learned-mean in the paged server (page 4, 2 requests in one forward) keeps the torch engine's batch-1
-    sets at page 4 at every eviction, with the same tokens."""
+@pytest.mark.parametrize("name", ["epikv-learned-mean", "epikv-learned-decay", "epikv-learned-window",
+                                  "epikv-learned-age"])
+def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch, name):
+    """epikv-learned-mean and its ageing variants (issue 57) in the paged server (page 4, 2 requests in one forward)
+    keep the torch engine's batch-1 sets at page 4 at every eviction, with the same tokens."""
     from epikv import generate
     from epikv.serving import ServeSpec, run_batch
 
@@ -233,13 +239,14 @@ def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatc
     LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
                    {"model": "random:tiny"}).save(path)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (20, 33)]
-    spec = ServeSpec(policy="epikv-learned-mean", budget=64, page=4, num_blocks=128, max_batch_tokens=32, recency=8,
-                     settings={"weights": str(path)})
+    extra = {"epikv-learned-decay": {"beta": 0.9}, "epikv-learned-age": {"penalty": 0.1}}.get(name, {})
+    spec = ServeSpec(policy=name, budget=64, page=4, num_blocks=128, max_batch_tokens=32, recency=8,
+                     settings={"weights": str(path), **extra})
     outs, stats = run_batch(tiny.model, spec, prompts, 100)
     served = sorted(seen.values())
     seen.clear()
-    refs = [generate(tiny.model, tiny.tokenizer, [p], policy="epikv-learned-mean", budget=64, max_new_tokens=100,
-                     page=4, recent=8, weights=str(path)) for p in prompts]
+    refs = [generate(tiny.model, tiny.tokenizer, [p], policy=name, budget=64, max_new_tokens=100,
+                     page=4, recent=8, weights=str(path), **extra) for p in prompts]
     assert outs == [r.token_ids[0] for r in refs]
     assert served == sorted(seen.values()) and len(served) == 2
     assert stats["evictions"] == sum(r.stats["evictions"] for r in refs) > 0

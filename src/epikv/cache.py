@@ -68,6 +68,10 @@ class EpiKVCache(Cache):
         self.budget = budget if self.policy.evicts else None
         self.tau = self.policy.tau
         self.recent = self.policy.recent_window(budget) if self.policy.evicts else 0
+        if getattr(self.policy, "check_model", None) is not None:  # learned weights: fitted on this very model?
+            from .fingerprint import model_fingerprint
+
+            self.policy.check_model(model_fingerprint(model, layers), self.n_layers)
         obs = self.policy.observes(self.n_layers)
         from .policies.base import check_true_positions
         from .signals import check_layers

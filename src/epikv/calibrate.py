@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .errors import EpiKVError
+from .fingerprint import model_fingerprint, model_signature
 from .interrupts import interrupts_held
 from .policies.learned import LearnedWeights, feature_block
 
@@ -170,14 +171,6 @@ def _jsonl(path: str) -> list[dict]:
     return out
 
 
-def model_signature(model) -> dict:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return {"model_type": getattr(cfg, "model_type", "?"), "layers": cfg.num_hidden_layers,
-            "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
-            "kv_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            "vocab": getattr(cfg, "vocab_size", None)}
-
-
 def layer_run(model, ids: torch.Tensor):
     """One eager forward over ids [1, T]: per layer (features [T, dim], attention [heads, T, T], values
     [kv_heads, T, hd], o_proj weight). The only place that touches the model."""
@@ -258,6 +251,8 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
     """Fit and write the weights file `out`; returns (weights, report). Resumes from `<out>.partial.pt`."""
     if target not in TARGETS:
         raise EpiKVError(f"calibrate: target must be one of {', '.join(TARGETS)}, got {target!r}")
+    from .cache import decoder_layers
+
     sig = model_signature(model)
     partial = Path(str(out) + ".partial.pt")
     ids_all = [i for i, _ in texts]
@@ -305,7 +300,8 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
         raise
     save()
     w, b, mu, sd, r2 = sums.solve(target, ridge)
-    meta = {"model": model_name or sig["model_type"], "signature": json.dumps(sig, sort_keys=True), "target": target,
+    meta = {"model": model_name or sig["model_type"], "signature": json.dumps(sig, sort_keys=True),
+            "fingerprint": model_fingerprint(model, decoder_layers(model)), "target": target,
             "texts": len([d for d in done if d in set(ids_all)]), "text_ids": ",".join(done), "tokens": tokens,
             "ridge": ridge, "max_tokens": max_tokens}
     lw = LearnedWeights(w, b, mu, sd, meta)

@@ -65,7 +65,7 @@ def reads(pol, n_layers: int = 30) -> str:
     obs = pol.observes(n_layers)
     parts = []
     if obs.hidden_layers:
-        parts.append("hidden states")
+        parts.append("hidden")  # hidden states; short, so the longest names' rows stay within 80 columns
     if obs.attention_layers:
         parts.append("attention weights")
     if (obs.keys_values and obs.kv_layers != ()) or obs.arriving_kv:

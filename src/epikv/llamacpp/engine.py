@@ -39,7 +39,7 @@ from .sequence import CellCounter, SequenceCache, kv_plan
 # mirror); the others are refused with their reason (check_policy).
 SUPPORTED = ("epikv", "epikv-raw", "epikv-a", "epikv-band", "streaming", "random", "full",
              "epikv-seg", "epikv-seg-q", "kv-key", "kv-val", "lag-kv", "lag-kv-key", "epikv-learned-mean",
-             "context-shift")
+             "epikv-learned-decay", "epikv-learned-window", "epikv-learned-age", "context-shift")
 """The built-in policies llama.cpp runs (exactly those `check_policy` lets through: tests/test_llamacpp.py)."""
 
 KV_TYPES = {name: t for name, (t, _, _) in CACHE_TYPES.items()}  # ggml_type of each cache type name

@@ -21,6 +21,9 @@ from .kv_var import KVKeyVariance, KVValueVariance
 from .lag_kv import LagKVVariant
 from .lag_kv_key import LagKVKey
 from .learned import LearnedMean, LearnedScore
+from .learned_age import LearnedAge
+from .learned_decay import LearnedDecay
+from .learned_window import LearnedWindow
 from .random_eviction import RandomEviction
 from .random_head import RandomHeadEviction
 from .streaming import StreamingLLM
@@ -39,8 +42,8 @@ from .triattention import TriAttention
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (EpiKVFlat, EpiKVRaw, EpiKVBandA, EpiKVBand, LagKVVariant, EpiKVSeg, EpiKVSegQ, KVKeyVariance,
-                KVValueVariance, LagKVKey, LearnedScore, LearnedMean, FullCache, StreamingLLM, RandomEviction,
-                ContextShift,
+                KVValueVariance, LagKVKey, LearnedScore, LearnedMean, LearnedDecay, LearnedWindow, LearnedAge,
+                FullCache, StreamingLLM, RandomEviction, ContextShift,
                 RandomHeadEviction, H2O, H2OGlobal, TOVA, SnapKV, RKV, RaaS, ThinKV, LagKV, KeyDiff, KNorm,
                 TriAttention, ExpectedAttention)
 }

@@ -108,6 +108,21 @@ def check_shape(lw: LearnedWeights, n_layers: int, kv_heads: int | None, hidden:
                          "weights for it with `epikv calibrate`")
 
 
+def check_fingerprint(lw: LearnedWeights, fingerprint: str) -> None:
+    """Refuse, in one line, weights fitted on another model: the fingerprint in their header (architecture, shapes
+    and a checksum of some weights: epikv/fingerprint.py) against the model's. Weights written before fingerprints
+    carry none and are checked by shape alone (check_shape)."""
+    have = lw.meta.get("fingerprint")
+    if not have or have == fingerprint or fingerprint.endswith("|unknown"):  # unknown: offloaded, shape check only
+        return
+    same_shape = have.rsplit("|", 1)[0] == fingerprint.rsplit("|", 1)[0]
+    why = ("the same architecture and shapes but other weights (a fine-tune or another checkpoint)" if same_shape
+           else "another architecture or shape")
+    raise EpiKVError(f"epikv-learned: the weights {lw.describe()} were fitted on another model: this one has {why} "
+                     f"(fingerprint {fingerprint.rsplit('|', 1)[1]}, the weights' {have.rsplit('|', 1)[1]}); fit "
+                     "weights for it with `epikv calibrate`")
+
+
 def linear_scores(lw: LearnedWeights, hidden: dict[int, torch.Tensor], n_layers: int) -> torch.Tensor:
     """score [batch, layers, kv_heads, T] from the captured block outputs hidden[block] [batch, T, dim]."""
     out = []
@@ -145,6 +160,11 @@ class LearnedScore(Policy):
 
     def init_state(self, batch, n_layers, device):
         return {"_lw": find_weights(self.weights, n_layers), "_n": n_layers}
+
+    def check_model(self, fingerprint: str, n_layers: int) -> None:
+        """Called by an engine that can fingerprint its model (epikv/fingerprint.py): refuse weights fitted on
+        another one."""
+        check_fingerprint(find_weights(self.weights, n_layers), fingerprint)
 
     def raw_scores(self, state, obs) -> torch.Tensor:
         lw, n = state["_lw"], state["_n"]

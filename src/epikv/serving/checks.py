@@ -241,6 +241,13 @@ def check_serving(model, spec: ServeSpec):
         raise EpiKVError("this model holds a cached continuous batching manager (stop(keep_for_next_session=True)): "
                          "destroy it first (model.destroy_cached_continuous_batching_manager())")
     check_model(model, pol)
+    if getattr(pol, "check_model", None) is not None:  # learned weights: fitted on this very model?
+        from ..fingerprint import model_fingerprint
+        from ..cache import decoder_layers
+        from ..signals import model_depth
+
+        layers = decoder_layers(model)
+        pol.check_model(model_fingerprint(model, layers), model_depth(model.config, len(layers)))
     return pol
 
 
