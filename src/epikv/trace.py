@@ -34,7 +34,9 @@ def traceable(cls) -> str | None:
         return f"policy {cls.name} never evicts: there is nothing to trace"
     if cls.granularity != "token":
         return f"policy {cls.name} keeps a separate token set per {cls.granularity}, so no one keep set to show"
-    return None
+    from .support import torch_refusal
+
+    return torch_refusal(cls())  # the trace runs in the torch engine (context-shift does not)
 
 
 def traceable_names() -> list[str]:

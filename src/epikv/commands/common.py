@@ -334,8 +334,17 @@ def hybrid_policy(args: argparse.Namespace, model) -> None:
     why = refusal(get_policy(args.policy))
     if why is None:
         return
-    runs = [name for name, cls in REGISTRY.items() if refusal(cls()) is None]
     if "policy" in (getattr(args, "given", None) or set()):
+        from ..cache import EpiKVCache
+
+        def builds(name: str) -> bool:  # what the cache itself accepts on this model (learned weights that fit ...)
+            try:
+                EpiKVCache(model, name, budget=max(64, args.budget or 0))
+            except EpiKVError:
+                return False
+            return True
+
+        runs = [name for name, cls in REGISTRY.items() if refusal(cls()) is None and builds(name)]
         raise EpiKVError(f"{why}; on this model run one of: {', '.join(runs)}")
     m = re.match(rf"policy {re.escape(args.policy)} (.*?), which is not supported", why)
     warn(args, f"the default policy {args.policy} does not run on a model with sliding-window layers"
