@@ -487,8 +487,9 @@ def _tables_v2(rows: list[dict]) -> str:
     lines = [f"CPU: {'; '.join(f'{m} ({c} cores; {f})' for m, c, f in cpus)}"
              + (" (rows from several CPUs: their ratios mix machines)" if len(cpus) > 1 else "")
              + f"; llama-server {rows[0]['llama_server_version'].split(' / ')[0]}; epikv "
-             f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; F16 K/V and the flash attention of its row on "
-             f"both; {rows[0]['threads']} threads; {rows[0]['sequences']} requests at once. Ratios: the median of the "
+             f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; "
+             f"{'/'.join(sorted({r.get('kv_type', 'f16').upper() for r in rows}))} K/V and the flash attention of "
+             f"its row on both; {rows[0]['threads']} threads; {rows[0]['sequences']} requests at once. Ratios: the median of the "
              "ratios paired by repeat [their 95 % t interval, on the logs of the per-repeat ratios].", ""]
     for tokens, per in medians(rows).items():
         lines += [f"{SEQUENCES} x {tokens:,} tokens | flash attention | repeats | tok/s: median (min-max) | "
