@@ -54,10 +54,13 @@ def test_batches_group_by_prompt_length_and_size(tiny):
 
 
 def _batchable_on_tiny(name: str) -> bool:
-    """Batchable on the 4-block tiny model; a learned score has no weights for it (refused in one line) and is
-    left out here (its state holds its weights, no generator: tests/test_learned.py runs it)."""
+    """Run by the torch engine and batchable on the 4-block tiny model; a learned score has no weights for it
+    (refused in one line) and is left out here (its state holds its weights, no generator: tests/test_learned.py
+    runs it), and context-shift runs in llama.cpp only."""
+    from epikv.support import torch_refusal
+
     try:
-        return batchable(get_policy(name), 4)
+        return torch_refusal(get_policy(name)) is None and batchable(get_policy(name), 4)
     except EpiKVError:
         return False
 
