@@ -249,7 +249,10 @@ def test_prompt_longer_than_the_cache_is_evicted_between_its_chunks(tiny):
     ref = generate(tiny.model, tiny.tokenizer, p, policy="epikv", budget=64, max_new_tokens=40, page=8, recent=16,
                    protect_prompt=False, prefill_chunk=32)
     assert out == ref.token_ids[0] and stats["prompts_evicted"] == 1
-    assert stats["peak_pages"] <= (64 + 32) // 8 and stats["evictions"] >= 7
+    from epikv.serving.layout import layout_kind
+
+    ahead = layout_kind().page_field == "block_size"  # 5.17 allocates the next chunk's first page before evicting
+    assert stats["peak_pages"] <= (64 + 32) // 8 + ahead and stats["evictions"] >= 7
 
 
 def test_prompt_refused_only_where_nothing_fits(tiny):

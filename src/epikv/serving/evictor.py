@@ -95,7 +95,8 @@ class Track:
         kept = sorted(set((keep[0] // page).tolist()))
         last = n - (n_pages - 1) * page
         table = lay.block_table.get(state.request_id, [])
-        if len(table) != n_pages or kept[-1] != n_pages - 1 or m != (len(kept) - 1) * page + last:
+        # pages past the stored tokens (5.17 allocates a prefill chunk's pages ahead) stay at the table's end
+        if len(table) < n_pages or kept[-1] != n_pages - 1 or m != (len(kept) - 1) * page + last:
             raise EpiKVError(f"serving: the keep set of request {state.request_id} is not whole pages of its "
                              f"{len(table)}-page table ({n} tokens, {m} kept)")
         kept_set = set(kept)
