@@ -16,13 +16,19 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
-def run_bad(capsys, *argv):
-    """A bad invocation: non-zero exit, exactly one line on stderr, no traceback."""
+def run_cli(capsys, *argv) -> tuple:
+    """`epikv ARGV` in this process: (exit code, stdout, stderr)."""
     try:
         code = main(list(argv))
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_bad(capsys, *argv):
+    """A bad invocation: non-zero exit, exactly one line on stderr, no traceback."""
+    code, out, err = run_cli(capsys, *argv)
     assert code != 0
     lines = [l for l in err.splitlines() if l.strip()]
     assert len(lines) == 1, err

@@ -323,13 +323,9 @@ def test_qwen2_use_sliding_window_false_means_no_sliding_layers():
 
 # -- the CLI on a hybrid model (issue 55, item 13) ---------------------------------------------------------------------
 def _cli(capsys, *argv):
-    from epikv.cli import main
+    from test_cli import run_cli
 
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
+    code, out, err = run_cli(capsys, *argv)
     return code, out, [l for l in err.splitlines() if l.strip()]
 
 

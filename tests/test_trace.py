@@ -3,19 +3,13 @@ arrival, and one-line refusals of the policies with nothing to trace (issue 55, 
 
 import pytest
 
-from epikv.cli import main
+from test_cli import run_cli
 from epikv.policies import DEFAULT_POLICY
 
 TEXT = " a b c d e f g h i j k l m n o p" * 4
 
 
-def _run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_cli
 
 
 def test_trace_defaults_to_the_default_policy(capsys, tmp_path):
