@@ -472,13 +472,18 @@ def tables(rows: list[dict]) -> str:
             base = name == "llama-server"
             lines.append(" | ".join([
                 m["label"], str(m["repeats"]), _fmt(m["rates"]), "1" if base else _fmt(m["ratios"], 2),
-                ", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
-                _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
-                f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
-                f"{min(m['generated']):,}" + ("" if min(m["generated"]) == max(m["generated"]) else
-                                             f"-{max(m['generated']):,}"), f"{m['load']:.2f}"]))
+                *_row_tail(m, base)]))
         lines.append("")
     return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
+
+
+def _row_tail(m: dict, base: bool) -> list[str]:
+    """The columns both table layouts end with: quarters, first quarter's ratio, TTFT, RSS, KV, cells, tokens, load."""
+    gen = m["generated"]
+    return [", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
+            _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
+            f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
+            f"{min(gen):,}" + ("" if min(gen) == max(gen) else f"-{max(gen):,}"), f"{m['load']:.2f}"]
 
 
 def _tables_v2(rows: list[dict]) -> str:
@@ -502,11 +507,7 @@ def _tables_v2(rows: list[dict]) -> str:
             lines.append(" | ".join([
                 m["label"], m["flash_attn"], str(m["repeats"]), _fmt(m["rates"]),
                 "1" if base else _ratio_ci(m["ratios"], m["ci"]), _ratio_ci(m["shift_ratios"], m["shift_ci"]),
-                ", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
-                _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
-                f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
-                f"{min(m['generated']):,}" + ("" if min(m["generated"]) == max(m["generated"]) else
-                                             f"-{max(m['generated']):,}"), f"{m['load']:.2f}"]))
+                *_row_tail(m, base)]))
         lines.append("")
     return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
 
