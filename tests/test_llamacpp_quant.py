@@ -267,6 +267,28 @@ def test_context_shift_keeps_n_keep_and_renumbers_contiguously(gm):
     dec.close()
 
 
+def test_context_shift_n_keep_minus_one_keeps_the_whole_prompt(gm):
+    """n_keep = -1 (llama-server's "keep the prompt") keeps every prompt token through each shift: shifts follow the
+    rule with n_keep = the prompt's length. Mutants: n_keep < 0 read as 0 in shift() (the prompt goes) or in
+    protected() (the policy protects nothing)."""
+    from epikv.llamacpp import LlamaDecoder
+    from epikv.policies import get_policy
+
+    assert get_policy("context-shift", n_keep=-1).protected(10) == 10
+    cells, prompt, steps = 40, _ids(gm, 10), 90
+    dec = LlamaDecoder(gm, "context-shift", cells, max_tokens=200, threads=1, n_keep=-1)
+    kept = []
+    dec.on_evict = lambda seq, keep: kept.append(keep[:len(prompt)].tolist())
+    logits = dec.prefill(prompt)
+    for _ in range(steps):
+        logits = dec.step(int(np.argmax(logits)))
+        assert dec.cache_bounds() == (0, dec.stored() - 1)
+    got = [(s["n_keep"], s["n_discard"], s["at"]) for s in dec.shifts]
+    assert got == _shifts_by_rule(len(prompt), steps, cells, len(prompt))[:len(got)]
+    assert len(got) >= 3 and all(k == list(range(len(prompt))) for k in kept)
+    dec.close()
+
+
 def test_context_shift_logits_match_llama_cpp_doing_it_by_hand(gm):
     """The same shifts done with llama.cpp's calls alone (seq_rm, seq_add, as llama-server's pre_decode does them)
     on a second context of the same size fed the same tokens give bit-identical next-token logits at every step.

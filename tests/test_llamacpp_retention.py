@@ -82,6 +82,9 @@ def test_retention_keep_sets_are_the_policy_code_on_the_captured_states(gm, item
     assert len(keeps) == m["evictions"] > 5
     assert_epikv_keeps(feeds, keeps, len(item.prompt_ids), K, gm.depth, tau=tau)
     assert K <= m["peak_cache_tokens"] <= K + tau - 1 and 0 < m["top1_agreement"] < 1 and m["kl"] > 0
+    # the prompt ends off the chunk grid, yet the first eviction comes at K + tau cells, as every later one (the
+    # peak --kv-memory plans for). Mutant: no short first chunk (the cells reach K + 2 tau - 1 - (K - p) % tau)
+    assert (K - len(item.prompt_ids)) % tau and m["kv_peak_cells"] == K + tau
 
 
 def test_full_policy_scores_zero_against_its_reference(gm, item):
@@ -105,7 +108,8 @@ def test_reference_predictions_line_up_with_a_token_by_token_decode(gm, item):
 
     ref = reference_pass(LlamaCppTraces(gm, threads=1), item, 16)
     p = len(item.prompt_ids)
-    dec = LlamaDecoder(gm, "full", None, max_tokens=p + 40, threads=1, n_batch=p)
+    # the prompt in micro-batches of 16, as the reference feeds it: the comparison is of offsets, not batch noise
+    dec = LlamaDecoder(gm, "full", None, max_tokens=p + 40, threads=1, n_batch=16)
     logits = [dec.prefill(item.prompt_ids)] + [dec.step(t) for t in item.ids[p: p + 39]]
     dec.close()
     top = [int(np.argmax(x)) for x in logits]

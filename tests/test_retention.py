@@ -635,3 +635,36 @@ def test_paired_plot_texts_never_overprint(n_policies):
         assert len(fig.axes) == 9 and not _overlaps(fig), _overlaps(fig)
     finally:
         plt.close(fig)
+
+
+def test_a_variant_may_set_its_own_tau(tmp_path):
+    """`streaming[tau=4]` in a folder at tau 8 runs and records tau 4 (rows at equal peak bytes, each policy at its
+    own schedule): its record equals a folder run at --tau 4. Mutant: the folder's tau winning over the variant's."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    base = ["retention", "--model", "random:tiny", "--traces", str(path), "--budgets", "40", "--no-report"]
+    assert main(base + ["--tau", "8", "--policies", "full,streaming[tau=4]", "--out", str(tmp_path / "v")]) == 0
+    assert main(base + ["--tau", "4", "--policies", "full,streaming", "--out", str(tmp_path / "s")]) == 0
+    (var,) = [r for r in read_records(tmp_path / "v" / "results.jsonl") if r["policy"] == "streaming"]
+    (alone,) = [r for r in read_records(tmp_path / "s" / "results.jsonl") if r["policy"] == "streaming"]
+    assert var["tau"] == 4 and var["settings"] == {"tau": 4}
+    assert var["evictions"] == alone["evictions"] and var["peak_cache_tokens"] == alone["peak_cache_tokens"] <= 40 + 4
+    assert var["answer_nll"] == pytest.approx(alone["answer_nll"], rel=1e-5, abs=1e-7)
+
+
+def test_budgets_per_policy_share_one_reference_pass_per_trace(tiny, tmp_path, monkeypatch):
+    """budgets_for (what --kv-memory gives: each policy its own K) runs each policy at its own budgets only, trace
+    by trace with one reference pass a trace. Mutant: budgets_for ignored (every policy at `budgets`)."""
+    import epikv.retention.runner as runner
+
+    calls = []
+    real = runner.reference_pass
+    monkeypatch.setattr(runner, "reference_pass", lambda *a, **k: calls.append(a[1].id) or real(*a, **k))
+    rows = [GOOD, {**GOOD, "id": "synthetic/other"}]
+    own = {"full": [64], "streaming": [40], "epikv": [56, 64]}
+    run_retention(tiny.model, tiny.tokenizer, rows, tmp_path / "o", list(own), [64], tau=4, quiet=True,
+                  budgets_for=own.__getitem__)
+    recs = read_records(tmp_path / "o" / "results.jsonl")
+    got = sorted({(r["policy"], r["budget"]) for r in recs}, key=str)
+    assert got == sorted({("full", None), ("streaming", 40), ("epikv", 56), ("epikv", 64)}, key=str)
+    assert len(recs) == 8 and calls == ["synthetic/good", "synthetic/other"]

@@ -146,7 +146,7 @@ def policy_variant(spec: str) -> tuple[str, dict]:
         raise argparse.ArgumentTypeError(f"expected POLICY[SETTING=VALUE, ...], got {spec!r}")
     settings = {}
     for item in _split_top(rest[:-1]):
-        _, key, value = policy_setting(f"{name}.{item}")
+        _, key, value = policy_setting(f"{name}.{item}", tau=True)
         if key in settings:
             raise argparse.ArgumentTypeError(f"{spec!r} sets {key} twice")
         settings[key] = value
@@ -162,9 +162,10 @@ def policy_list(text: str) -> list[str]:
     return specs
 
 
-def policy_setting(text: str) -> tuple[str, str, object]:
+def policy_setting(text: str, tau: bool = False) -> tuple[str, str, object]:
     """'lagkv.lag=128' -> ("lagkv", "lag", 128): any dataclass field of a registered policy, the value read as JSON
-    (lists become tuples) and checked against the type of the field's default."""
+    (lists become tuples) and checked against the type of the field's default. tau (the run's --tau, shared by all)
+    only where `tau` is set: a retention variant's own schedule, `random[tau=16]`."""
     import dataclasses
 
     from ..policies import policy_class
@@ -177,8 +178,8 @@ def policy_setting(text: str) -> tuple[str, str, object]:
         cls = policy_class(name)
     except EpiKVError as e:
         raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "tau"}  # tau is --tau, shared by all
-    if key == "tau":
+    fields = {f.name: f for f in dataclasses.fields(cls) if tau or f.name != "tau"}
+    if key == "tau" and not tau:
         raise argparse.ArgumentTypeError("the eviction interval is --tau, not --set")
     if key not in fields:
         raise argparse.ArgumentTypeError(f"{name} has no setting {key!r}; its settings: {', '.join(fields)}")
@@ -397,7 +398,7 @@ def settings_by_policy(args: argparse.Namespace, specs: list[str], variants: boo
     odd = [spec for spec, (_, over) in parsed.items() if over]
     if odd and not variants:
         name, over = parsed[odd[0]]
-        sets = " ".join(f"--set {name}.{k}={json.dumps(v)}" for k, v in over.items())
+        sets = " ".join(f"--tau {v}" if k == "tau" else f"--set {name}.{k}={json.dumps(v)}" for k, v in over.items())
         raise EpiKVError(f"policy variants like {odd[0]} are run by `epikv retention`; here use {sets}")
     names = list(dict.fromkeys(name for name, _ in parsed.values()))
     stray = sorted({name for name, _, _ in getattr(args, "set", None) or [] if name not in names})

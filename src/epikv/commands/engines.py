@@ -196,7 +196,7 @@ def _note(args, notes: list[str] | None, text: str) -> None:
 
 
 def memory_budget(gm, args, policy, tau, type_k: str, type_v: str, notes: list[str] | None = None,
-                  kv_memory: int | None = None, **settings) -> int | None:
+                  kv_memory: int | None = None, plan: dict | None = None, **settings) -> int | None:
     """The budget --kv-memory picks for `policy` (None without --kv-memory), said in one line (appended to `notes`,
     printed on stderr at once without)."""
     from ..llamacpp.kvtypes import budget_for_memory
@@ -210,6 +210,6 @@ def memory_budget(gm, args, policy, tau, type_k: str, type_v: str, notes: list[s
     pol = get_policy(policy, tau=tau, **settings)
     if not pol.evicts:
         raise EpiKVError(f"--kv-memory sizes an evicting policy's budget; {pol.name} keeps every token")
-    plan = budget_for_memory(gm, pol, memory, type_k, type_v)
+    plan = budget_for_memory(gm, pol, memory, type_k, type_v, **(plan or {}))
     _note(args, notes, f"--kv-memory {memory} bytes with {type_k}/{type_v} cells: {pol.name} {plan.describe()}")
     return plan.budget

@@ -58,10 +58,10 @@ def run(args) -> int:
     from ..retention.store import read_records
 
     path = traces_path(args.traces)
-    rows = load_traces(path)
-    if args.skip >= len(rows):
-        raise EpiKVError(f"--skip {args.skip}: {path} has only {len(rows)} traces")
-    rows = rows[args.skip: args.skip + args.limit if args.limit else None]
+    every_row = load_traces(path)
+    if args.skip >= len(every_row):
+        raise EpiKVError(f"--skip {args.skip}: {path} has only {len(every_row)} traces")
+    rows = every_row[args.skip: args.skip + args.limit if args.limit else None]
     settings = settings_by_policy(args, args.policies, variants=True)  # validates names first
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -75,36 +75,40 @@ def run(args) -> int:
     else:
         model = eng.lm.model
     # --kv-memory: each policy at its own budgets (the largest whose peak fits each size); else every policy at
-    # --budgets
-    plans = [(args.policies, args.budgets)]
+    # --budgets. One pass either way: trace by trace, one reference pass for all its rows
+    budgets_for = None
     if args.kv_memory is not None:
+        from ..policies import get_policy
         from ..retention.runner import _name
 
         if "budgets" in (getattr(args, "given", None) or set()):
             raise EpiKVError("--kv-memory chooses the budgets: give --kv-memory or --budgets, not both")
-        from ..policies import get_policy
+        from ..retention.runner import prepare_traces
 
-        plans = []
+        # the plan knows the file's prompts (all of them: a --skip / --limit slice gets the same K) and how retention
+        # feeds them: chunks of tau, the prompt in micro-batches of tau (LlamaCppTraces)
+        items, _ = prepare_traces(every_row, eng.tokenizer, args.max_reasoning_tokens, args.system,
+                                  args.max_answer_tokens)
+        longest = max((len(it.prompt_ids) for it in items), default=1)
+        chosen = {}
         for spec in args.policies:
             if not get_policy(_name(spec)).evicts:
-                plans.append(([spec], args.budgets))
+                chosen[spec] = args.budgets
                 continue
-            ks = [memory_budget(eng.gm, args, _name(spec), args.tau, eng.type_k, eng.type_v, None, kv_memory=m,
-                                **settings[spec]) for m in args.kv_memory]
-            plans.append(([spec], sorted(set(ks))))
+            s = dict(settings[spec])
+            tau = s.pop("tau", args.tau)
+            chosen[spec] = sorted({memory_budget(eng.gm, args, _name(spec), tau, eng.type_k, eng.type_v, None,
+                                                 kv_memory=m, plan={"step_tokens": tau, "n_batch": tau,
+                                                                    "prompt_tokens": longest},
+                                                 **s) for m in args.kv_memory})
+        budgets_for = chosen.__getitem__
     for note in getattr(eng, "notes", ()):
         print(note, file=sys.stderr)
-    summary = {"written": 0, "already_done": 0, "skipped_traces": [], "failed": [], "claimed_elsewhere": 0}
-    for specs, budgets in plans:
-        part = run_retention(model, eng.tokenizer, rows, out, specs, budgets, tau=args.tau,
-                             max_reasoning_tokens=args.max_reasoning_tokens, system=args.system,
-                             max_answer_tokens=args.max_answer_tokens, model_name=args.model,
-                             settings_for=settings.__getitem__, batch_traces=args.batch_traces)
-        for k in ("written", "already_done", "claimed_elsewhere"):
-            summary[k] += part.get(k) or 0
-        summary["failed"] += part["failed"]
-        summary["skipped_traces"] = part["skipped_traces"]
-        summary["results"] = part["results"]
+    summary = run_retention(model, eng.tokenizer, rows, out, args.policies, args.budgets, tau=args.tau,
+                            max_reasoning_tokens=args.max_reasoning_tokens, system=args.system,
+                            max_answer_tokens=args.max_answer_tokens, model_name=args.model,
+                            settings_for=settings.__getitem__, batch_traces=args.batch_traces,
+                            budgets_for=budgets_for)
     print(f"{summary['written']} records written, {summary['already_done']} already done, "
           f"{len(summary['skipped_traces'])} traces skipped, {len(summary['failed'])} runs not possible"
           + (f", {summary['claimed_elsewhere']} being computed by another process"

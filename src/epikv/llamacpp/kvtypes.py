@@ -138,7 +138,8 @@ class PeakPlan:
 def peak_cells(policy, budget: int) -> int:
     """The most cells a sequence under `policy` holds at once in one-token steps (its prompt within what the budget
     protects): the policy's own `peak_cells` where it has one, else K + tau (K + tau - 1 between steps and the
-    step's token, written before the eviction)."""
+    step's token, written before the eviction). `retention` feeds chunks of tau on the same grid (its first chunk
+    ends where the cells reach K + tau), so the same holds there."""
     own = getattr(policy, "peak_cells", None)
     return own(budget) if own is not None else budget + policy.tau
 
@@ -161,36 +162,42 @@ def per_token_buffers(gm, policy, mirror_elem: int = 2) -> dict[str, int]:
             "queries": len(q_layers) * int(obs.queries) * n_head * gm.head_dim_k * 4}
 
 
-def plan_peak(gm, policy, budget: int, type_k: str = "f16", type_v: str = "f16") -> PeakPlan:
-    """The planned peak KV bytes of one sequence under `policy` at budget K, for these cell types, for a prompt of
-    at most K - recent tokens (what a protected prompt may be): the larger of two moments,
-    - a step at the peak: peak_cells x (cell + mirror row), the rows waiting to be scored or for their statistic
-      (up to the recent window for the hidden-state policies, whose scoring is deferred: sequence.flush; one
-      step's for the others), the queries;
-    - the prompt's last chunk: K - recent cells with the mirror's rows, every prompt row still waiting."""
+def plan_peak(gm, policy, budget: int, type_k: str = "f16", type_v: str = "f16", *, step_tokens: int = 1,
+              prompt_tokens: int | None = None, n_batch: int | None = None) -> PeakPlan:
+    """The planned peak KV bytes of one sequence under `policy` at budget K, for these cell types: the larger of two
+    moments,
+    - a step at the peak: peak_cells x (cell + mirror row), the rows waiting to be scored or for their statistic, the
+      queries. Rows wait until a flush: up to the recent window for the hidden-state policies, whose scoring is
+      deferred (sequence.flush), one step's for the others; `step_tokens` tokens arrive a step (1 when generating,
+      tau where `retention` feeds chunks of tau), so at most (flush interval - 1 + step_tokens) rows wait;
+    - the prompt's last micro-batch: the prompt's cells with the mirror's rows, and its rows still waiting (every
+      prompt row, or with `n_batch` (the prefill's micro-batch) at most flush interval - 1 + n_batch of them).
+    The prompt is `prompt_tokens` long where the caller knows it (`retention` knows its traces), else the longest a
+    budget protects (K - recent): what a server must plan for."""
     from ..policies.hidden import HiddenStatePolicy
 
     b = per_token_buffers(gm, policy, mirror_dtype(type_k, type_v).itemsize)
     cell = cell_bytes(gm, type_k, type_v)
     cells = peak_cells(policy, budget)
     recent = policy.recent_window(budget)
-    # the hidden-state policies (Seg and Seg-Q among them) defer scoring up to the recent window (sequence.flush):
-    # their hidden rows and arriving keys / values wait that long; any other policy's, one step
-    wait = max(1, recent) if isinstance(policy, HiddenStatePolicy) else 1
-    p = max(1, budget - recent)
-    prompt = p * (cell + b["mirror"] + b["hidden"] + b["arriving"]) + b["queries"]
-    return PeakPlan(budget, cells, cell, b["mirror"], wait * (b["hidden"] + b["arriving"]), b["queries"], prompt)
+    every = max(1, recent) if isinstance(policy, HiddenStatePolicy) else 1  # sequence._score_every
+    row = b["hidden"] + b["arriving"]
+    p = max(1, budget - recent) if prompt_tokens is None else max(1, min(prompt_tokens, budget - recent))
+    waiting = p if n_batch is None else min(p, every - 1 + n_batch)
+    prompt = p * (cell + b["mirror"]) + waiting * row + b["queries"]
+    return PeakPlan(budget, cells, cell, b["mirror"], (every - 1 + step_tokens) * row, b["queries"], prompt)
 
 
-def budget_for_memory(gm, policy, memory: int, type_k: str = "f16", type_v: str = "f16") -> PeakPlan:
+def budget_for_memory(gm, policy, memory: int, type_k: str = "f16", type_v: str = "f16", **how) -> PeakPlan:
     """The largest budget K whose planned peak (plan_peak) fits in `memory` bytes; refused in one line when not even
-    K = 1 fits (a memory below one cell per layer, or below the policy's buffers)."""
+    K = 1 fits (a memory below one cell per layer, or below the policy's buffers). `how`: plan_peak's step_tokens,
+    prompt_tokens and n_batch."""
     one = cell_bytes(gm, type_k, type_v)
     if memory < one:
         per_layer = one // max(gm.n_layers, 1)
         raise EpiKVError(f"--kv-memory {memory} bytes is below one {type_k}/{type_v} cell of {gm.name} "
                          f"({one} bytes: {per_layer} a layer x {gm.n_layers} layers)")
-    plan = lambda k: plan_peak(gm, policy, k, type_k, type_v)  # noqa: E731
+    plan = lambda k: plan_peak(gm, policy, k, type_k, type_v, **how)  # noqa: E731
     if plan(1).total > memory:
         raise EpiKVError(f"--kv-memory {fmt_bytes(memory)} holds no budget for {policy.name}: even K = 1 peaks at "
                          f"{fmt_bytes(plan(1).total)} ({plan(1).cells} cells and the policy's buffers)")

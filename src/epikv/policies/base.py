@@ -50,10 +50,15 @@ class Policy:
     """A policy with its own keep rule that honours `page` itself (whole pages, e.g. EpiKV-Seg's page-level tier
     pass)."""
 
+    signed: ClassVar[dict[str, int]] = {}
+    """Fields that may go below zero, each with its least value (context-shift's n_keep = -1: the whole prompt)."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or v is None:
+            if f.name in self.signed and isinstance(v, int) and v < self.signed[f.name]:
+                raise EpiKVError(f"{self.name}: {f.name} must be at least {self.signed[f.name]}, got {v}")
+            if isinstance(v, bool) or v is None or f.name in self.signed:
                 continue
             if isinstance(v, (int, float)) and v < 0:
                 raise EpiKVError(f"{self.name}: {f.name} must not be negative, got {v}")

@@ -19,7 +19,8 @@ class ContextShift(Policy):
     keys). Reads nothing but the token count.
 
     n_keep counts tokens from the start of the sequence, BOS included: llama-server's request `n_keep` plus one where
-    its vocabulary adds BOS; capped at K - 4 as llama-server caps it. The prompt is not protected beyond n_keep.
+    its vocabulary adds BOS; capped at K - 4 as llama-server caps it. n_keep = -1 keeps the whole prompt (llama-server's
+    `n_keep: -1`). The prompt is not protected beyond n_keep.
     Only the llama.cpp engine runs it: the torch engine keeps every token at its true position (see
     docs/llamacpp.md)."""
 
@@ -30,6 +31,7 @@ class ContextShift(Policy):
     name = "context-shift"
     paper = "llama.cpp tools/server (--context-shift)"
     renumbers_positions: ClassVar[bool] = True
+    signed: ClassVar[dict[str, int]] = {"n_keep": -1}
 
     def should_evict(self, length, budget, steps, decode_slots):
         # llama-server shifts before a decode when n_tokens + 1 >= the slot's n_ctx; epikv shifts after the step
@@ -43,7 +45,7 @@ class ContextShift(Policy):
         return 1  # the newest token always stays (n_discard <= n_left - 1)
 
     def protected(self, prompt_len: int) -> int:
-        return min(self.n_keep, prompt_len)
+        return prompt_len if self.n_keep < 0 else min(self.n_keep, prompt_len)
 
     def protected_overflow(self, budget, recent, prompt_len):
         if budget is not None and prompt_len + 1 >= budget:
@@ -51,9 +53,10 @@ class ContextShift(Policy):
                     "its first token; raise the budget or shorten the prompt")
         return None
 
-    def shift(self, length: int, budget: int) -> tuple[int, int]:
-        """(n_keep, n_discard) of a shift of `length` tokens in `budget` cells, as llama-server computes them."""
-        n_keep = max(0, min(budget - 4, self.n_keep))
+    def shift(self, length: int, budget: int, prompt_len: int = 0) -> tuple[int, int]:
+        """(n_keep, n_discard) of a shift of `length` tokens in `budget` cells, as llama-server computes them (n_keep
+        -1: the prompt's `prompt_len` tokens)."""
+        n_keep = max(0, min(budget - 4, prompt_len if self.n_keep < 0 else self.n_keep))
         n_left = length - n_keep
         return n_keep, min(max(n_left // 2, 0), max(0, n_left - 1))
 
@@ -63,6 +66,7 @@ class ContextShift(Policy):
 
     def keep(self, state, view):
         n = view.length
-        n_keep, n_discard = self.shift(n, view.budget)
+        # n_protect is protected(prompt_len): the whole prompt where n_keep is -1 (rows of a batch share it)
+        n_keep, n_discard = self.shift(n, view.budget, int(view.n_protect.max()))
         idx = torch.cat([torch.arange(n_keep), torch.arange(n_keep + n_discard, n)]).to(view.device)
         return idx[None].expand(view.n_pad.shape[0], -1)

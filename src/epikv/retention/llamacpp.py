@@ -37,9 +37,11 @@ class LlamaCppTraces:
         """Returns (forward seconds, cache stats, peak KV MiB at the cache's own type) as the runner's _stream."""
         ids = item.ids
         p, n, tau = len(item.prompt_ids), len(ids), policy.tau
-        # a micro-batch holds a chunk of tau and up to 512 prompt tokens at once
+        # a micro-batch holds a chunk of tau, and the prompt goes in micro-batches of tau too: the rows a policy
+        # keeps for the prompt's tokens are flushed after each, so its peak bytes stay those of a step (kvtypes'
+        # plan_peak with n_batch = tau)
         dec = LlamaDecoder(self.gm, policy, budget, max_tokens=n, threads=self.threads, type_k=self.type_k,
-                           type_v=self.type_v, flash_attn=self.flash_attn, n_batch=max(tau, min(512, p)))
+                           type_v=self.type_v, flash_attn=self.flash_attn, n_batch=tau)
         try:
             if self.on_decoder is not None:
                 self.on_decoder(dec)
@@ -47,8 +49,14 @@ class LlamaCppTraces:
             last = dec.prefill(ids[:p])  # [vocab], predicts token P
             fwd = time.perf_counter() - t0
             on_logits(0, torch.from_numpy(last)[None])
-            for s in range(p, n - 1, tau):  # the last token predicts nothing scored
-                e = min(s + tau, n - 1)
+            # chunks of tau, the first one shorter where the budget needs it: chunk ends then land where the cells
+            # reach K + tau (the prompt holds p <= K), so the first eviction comes at K + tau cells as every later
+            # one does, and a sequence peaks at K + tau cells as in one-token steps (kvtypes.plan_peak); on the
+            # plain grid a prompt ending off it lets the cells reach K + 2 tau - 1 before the first eviction
+            first = (budget - p) % tau if budget is not None and policy.evicts and p <= budget else 0
+            ends = [e for e in [p + first] * bool(first) + list(range(p + first + tau, n - 1, tau)) if e < n - 1]
+            ends.append(n - 1)  # the last token predicts nothing scored
+            for s, e in zip([p] + ends[:-1], ends):
                 t0 = time.perf_counter()
                 logits = dec.feed(ids[s:e], all_logits=True)  # [T, vocab]
                 fwd += time.perf_counter() - t0

@@ -242,10 +242,16 @@ def _reference(item: TraceItem, buf: _RefBuffer, secs: float, stats: dict, kv: f
     return ref
 
 
+def make_policy(name: str, tau: int, settings: dict):
+    """The policy of a run: the folder's tau unless the variant sets its own (`random[tau=16]` in a folder at tau
+    128: rows at equal peak bytes, each policy at its own schedule)."""
+    return get_policy(name, **{"tau": tau, **settings})
+
+
 def policy_pass(model, item: TraceItem, ref: Reference, policy: str, budget: int | None, tau: int,
-                **settings) -> dict:
+                settings: dict | None = None) -> dict:
     """Metrics of one (policy, budget) run on one trace against the reference."""
-    pol = get_policy(policy, tau=tau, **settings)
+    pol = make_policy(policy, tau, settings or {})
     acc = Accumulator(ref)
     with RunPeak(model.device) as peak:  # this run's own peak, not the process's high-water mark
         secs, stats, kv = _stream(model, item, pol, budget if pol.evicts else None, acc.add)
@@ -266,9 +272,9 @@ def reference_pass_batch(model, items: Sequence[TraceItem], tau: int) -> list[Re
 
 
 def policy_pass_batch(model, items: Sequence[TraceItem], refs: Sequence[Reference], policy: str,
-                      budget: int | None, tau: int, **settings) -> list[dict]:
+                      budget: int | None, tau: int, settings: dict | None = None) -> list[dict]:
     """policy_pass for traces of one prompt length as one batch; each row's metrics are its single run's."""
-    pol = get_policy(policy, tau=tau, **settings)
+    pol = make_policy(policy, tau, settings or {})
     accs = [Accumulator(r) for r in refs]
     with RunPeak(model.device) as peak:
         runs = _stream_batch(model, items, pol, budget if pol.evicts else None, lambda i, j, x: accs[i].add(j, x))
@@ -344,7 +350,8 @@ def _name(spec: str) -> str:
 def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, policies: Sequence[str],
                   budgets: Sequence[int], tau: int = 16, max_reasoning_tokens: int | None = None,
                   system: str | None = None, max_answer_tokens: int | None = None, model_name: str = "", settings_for: Callable[[str], dict] | None = None,
-                  log: Callable[[str], None] | None = None, quiet: bool = False, batch_traces: int = 1) -> dict:
+                  log: Callable[[str], None] | None = None, quiet: bool = False, batch_traces: int = 1,
+                  budgets_for: Callable[[str], Sequence[int]] | None = None) -> dict:
     """Run every missing (trace, policy, budget) record, appending each to out_dir/results.jsonl.
 
     `policies` holds names or variants 'name[...]' (other rows of one policy; each spec's settings are
@@ -355,7 +362,11 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
 
     batch_traces > 1 streams up to that many traces with the same prompt length as one batch (`_stream_batch`): the
     same metrics as one at a time (rows are independent and share the eviction schedule), faster on a CPU; policies
-    whose rows share a random generator still run one trace at a time. Returns a summary dict."""
+    whose rows share a random generator still run one trace at a time.
+
+    budgets_for(spec), where given, is that spec's own budgets (`--kv-memory`: each policy's largest K whose peak
+    fits), in place of `budgets`; the runs still go trace by trace, one reference pass for all of a trace's
+    policies. Returns a summary dict."""
     from ..progress import Progress
 
     if settings_for is None:  # a variant's settings come from the caller's parser (the CLI's `policy_variant`)
@@ -377,7 +388,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
 
         depth = model_depth(model.config, len(decoder_layers(model)))
     for spec in policies:
-        pol = get_policy(_name(spec), tau=tau, **settings_for(spec))  # unknown names and bad settings fail first
+        pol = make_policy(_name(spec), tau, settings_for(spec))  # unknown names and bad settings fail first
         if hasattr(model, "check"):  # what the engine cannot run is refused by name before any work
             model.check(pol)
     items, skipped = prepare_traces(rows, tokenizer, max_reasoning_tokens, system, max_answer_tokens)
@@ -388,7 +399,9 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
         raise EpiKVError(f"none of the {len(rows)} traces can be scored (" + ", ".join(
             f"{n} {w}" for w, n in why.items()) + "): each needs id, problem and trace text with an answer after "
             f"{THINK_END}")
-    _check_some_run_possible(items, policies, budgets, tau, settings_for)
+    if budgets_for is None:
+        budgets_for = lambda spec: budgets  # noqa: E731
+    _check_some_run_possible(items, policies, budgets_for, tau, settings_for)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -400,7 +413,7 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
     runs = {}  # (name, budget, settings as JSON) -> (name, budget, settings): `full` once, whatever the budgets
     for spec in policies:
         name, s = _name(spec), settings_for(spec)
-        for b in budgets:
+        for b in budgets_for(spec):
             b = b if get_policy(name).evicts else None
             runs.setdefault((name, b, json.dumps(s, sort_keys=True)), (name, b, s))
     plan = [(item, list(runs.values())) for item in items]
@@ -454,11 +467,11 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                     try:
                         if name == "full":
                             ms = [dict(fulls[i]) for i in rows]
-                        elif len(rows) > 1 and batchable(get_policy(name, tau=tau, **s), depth):
+                        elif len(rows) > 1 and batchable(make_policy(name, tau, s), depth):
                             ms = policy_pass_batch(model, [group[i] for i in rows], [refs[i] for i in rows], name, b,
-                                                   tau, **s)
+                                                   tau, s)
                         else:
-                            ms = [policy_pass(model, group[i], refs[i], name, b, tau, **s) for i in rows]
+                            ms = [policy_pass(model, group[i], refs[i], name, b, tau, s) for i in rows]
                     except EpiKVError as e:  # e.g. a budget below the protected prompt (the same for a batch's rows)
                         for i in rows:
                             progress.update(1)
@@ -470,7 +483,8 @@ def run_retention(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, p
                     wall = ref_wall if name == "full" else (time.perf_counter() - t0) / len(rows)
                     for i, m in zip(rows, ms):
                         item = group[i]
-                        base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b, "tau": tau,
+                        base = {"kind": KIND, "trace_id": item.id, "policy": name, "budget": b,
+                                "tau": s.get("tau", tau),
                                 "model": model_name, "engine": engine, "max_reasoning_tokens": max_reasoning_tokens,
                                 "max_answer_tokens": max_answer_tokens, "settings": s,
                                 "prompt_tokens": len(item.prompt_ids), "reasoning_tokens": len(item.reasoning_ids),
@@ -512,15 +526,15 @@ def _runs_text(failed: list[tuple]) -> str:
     return "; ".join(f"{name} K={b} ({why})" for (name, b), why in first.items())
 
 
-def _check_some_run_possible(items, policies, budgets, tau, settings_for) -> None:
+def _check_some_run_possible(items, policies, budgets_for, tau, settings_for) -> None:
     """Before any work: refuse a run in which no evicting (policy, budget) can hold some trace's protected prompt and
     recent window (what every such run would fail on), naming them; `full` alone would be a report of nothing."""
     failed, n_evicting = [], 0
     for spec in policies:
-        pol = get_policy(_name(spec), tau=tau, **settings_for(spec))
+        pol = make_policy(_name(spec), tau, settings_for(spec))
         if not pol.evicts:
             continue
-        for b in budgets:
+        for b in budgets_for(spec):
             n_evicting += 1
             whys = [pol.protected_overflow(b, pol.recent_window(b), len(it.prompt_ids)) for it in items]
             if all(whys):
