@@ -47,12 +47,14 @@ def _prompt_ids(gm):
 
 
 class _Llama:
-    def __init__(self, gm, ids, policy, budget, capture, total):
+    def __init__(self, gm, ids, policy, budget, capture, total, cells=None):
         from epikv.llamacpp import LlamaDecoder
 
+        # cells: one K and V type for both (celltypes mode), with flash attention on (a quantized V cache needs it)
+        kv = dict(type_kv=ARGS.type_kv, flash_attn=_fa()) if cells is None else dict(type_k=cells, type_v=cells,
+                                                                                    flash_attn=True)
         self.dec = LlamaDecoder(gm, policy, budget, max_tokens=len(ids) + total, threads=ARGS.threads,
-                                capture=capture, n_batch=min(512, len(ids)), flash_attn=_fa(),
-                                type_kv=ARGS.type_kv)
+                                capture=capture, n_batch=min(512, len(ids)), **kv)
         self.logits = self.dec.prefill(ids)
 
     def run(self, n):
@@ -180,6 +182,42 @@ def step(args):
                 round=args.round)
 
 
+def celltypes(args):
+    """Issue 56: one policy at one K on F16, q8_0 and q4_0 cells (flash attention on for all three), rounds
+    interleaved in one process; each repeat builds fresh decoders. Per repeat the time ratio of each type to F16
+    (above 1: slower); the median and range of the repeats."""
+    import statistics
+
+    from epikv.llamacpp import load_gguf
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    total, types = args.gen, ("f16", "q8_0", "q4_0")
+    repeats = []
+    for _ in range(args.repeats):
+        runs = {t: _Llama(gm, ids, args.policy, args.budget, "c", total, cells=t) for t in types}
+        spent = {t: 0.0 for t in types}
+        done = 0
+        while done < total:
+            n = min(args.round, total - done)
+            for t, r in runs.items():
+                t0 = time.perf_counter()
+                r.run(n)
+                spent[t] += time.perf_counter() - t0
+            done += n
+        repeats.append({t: dict(seconds=round(spent[t], 3), tokens_per_s=round(total / spent[t], 2),
+                                evictions=runs[t].dec.evictions, kv_peak_bytes=runs[t].dec.peak_report()["kv_peak_bytes"],
+                                time_vs_f16=round(spent[t] / spent["f16"], 4)) for t in types})
+        for r in runs.values():
+            r.dec.close()
+    summary = {t: dict(time_vs_f16_median=statistics.median(r[t]["time_vs_f16"] for r in repeats),
+                       time_vs_f16_range=[min(r[t]["time_vs_f16"] for r in repeats),
+                                          max(r[t]["time_vs_f16"] for r in repeats)],
+                       tokens_per_s_median=statistics.median(r[t]["tokens_per_s"] for r in repeats)) for t in types}
+    return dict(repeats=repeats, summary=summary, prompt_tokens=len(ids), budget=args.budget, policy=args.policy,
+                threads=args.threads, round=args.round, tokens=total, flash_attn="on")
+
+
 def _child(args):
     """One long generation in this process: tokens/s per segment, peak RSS, KV bytes."""
     if args.engine == "torch":
@@ -300,7 +338,7 @@ def interleaved(args):
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["step", "long", "interleaved", "capture", "_child"])
+    ap.add_argument("mode", choices=["step", "long", "interleaved", "capture", "celltypes", "_child"])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--gen", type=int, default=None)
     ap.add_argument("--round", type=int, default=64)
@@ -316,17 +354,18 @@ def main():
     ap.add_argument("--out", default=None)
     ARGS = args = ap.parse_args()
     if args.gen is None:
-        args.gen = 1024 if args.mode in ("step", "capture") else 6000
+        args.gen = 1024 if args.mode in ("step", "capture", "celltypes") else 6000
     if args.mode == "_child":
         return _child(args)
     t0 = time.time()
-    res = {"step": step, "long": long, "interleaved": interleaved, "capture": capture}[args.mode](args)
+    res = {"step": step, "long": long, "interleaved": interleaved, "capture": capture,
+           "celltypes": celltypes}[args.mode](args)
     import llama_cpp
 
     res.update(command="PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py " + " ".join(sys.argv[1:]),
                llama_cpp_python=llama_cpp.__version__, machine=platform.processor() or platform.machine(),
                cpus=len(os.sched_getaffinity(0)), load_average=os.getloadavg(), wall_s=round(time.time() - t0, 1),
-               flash_attn=args.flash_attn, type_kv=args.type_kv)
+               **({} if args.mode == "celltypes" else dict(flash_attn=args.flash_attn, type_kv=args.type_kv)))
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

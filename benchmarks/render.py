@@ -323,6 +323,26 @@ def _fair_block(rel: str, command: str) -> str:
         source_line([rel], command)
 
 
+EQUAL_BYTES = "equal-bytes"
+EQUAL_BYTES_COMMAND = ("bash benchmarks/results/equal-bytes/run.sh (two copies, one a core), then python "
+                       "benchmarks/equal_bytes.py --write")
+
+
+def equal_bytes() -> str:
+    """Issue 56's equal-memory rows: eviction on F16 / q8_0 / q4_0 cells, the whole cache quantized, context shift;
+    benchmarks/equal_bytes.py's own tables on the three folders' records."""
+    mod = _bench_module("equal_bytes")
+    files = [f"{EQUAL_BYTES}/{t}/results.jsonl" for t in mod.TYPES if (RESULTS / EQUAL_BYTES / t).exists()]
+    raw(f"{EQUAL_BYTES}/f16/results.jsonl")  # the reference folder must exist: a one-line error otherwise
+    memories = [mod.parse_size(x) for x in ("12MiB", "24MiB")]
+    try:
+        s = mod.summarise(mod.collect(mod.load(RESULTS / EQUAL_BYTES), memories), memories)
+    except (KeyError, TypeError, ValueError) as e:
+        raise RenderError(f"benchmarks/results/{EQUAL_BYTES}: a record lacks what the table needs "
+                          f"({type(e).__name__}: {e})") from None
+    return mod.tables(s) + "\n" + source_line(files, EQUAL_BYTES_COMMAND)
+
+
 def serve_llama_server_fair() -> str:
     """epikv serve (llama.cpp) against llama-server, interleaved repeats: medians, paired ratios, quarters."""
     return _fair_block(FAIR, FAIR_COMMAND)
@@ -1023,6 +1043,7 @@ RENDERERS = {
     "llamacpp-retention": llamacpp_retention,
     "serve-llama-server": serve_llama_server,
     "serve-llama-server-fair": serve_llama_server_fair,
+    "equal-bytes": equal_bytes,
     "serve-llama-server-fair-4096": serve_llama_server_fair_4096,
     "serve-profile": serve_profile,
     "llamacpp-step-seg-q-issue50": lambda: llamacpp_step("llamacpp/step-seg-q-issue50.json"),

@@ -1,0 +1,75 @@
+"""benchmarks/equal_bytes.py (issue 56 item 4): rows against the whole F16 cache, budgets mapped to the byte sizes,
+the bootstrap that resamples problems, paired wins."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def eb():
+    spec = importlib.util.spec_from_file_location("equal_bytes", ROOT / "benchmarks" / "equal_bytes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(tid, policy, budget, nll, peak=None, kv_mib=10.0):
+    return {"trace_id": tid, "policy": policy, "budget": budget, "answer_nll": nll, "kv_peak_bytes": peak,
+            "peak_kv_mib": kv_mib, "answer_nll_increase": 0.0}
+
+
+def _write(root: Path, folder: str, recs) -> None:
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_rows_are_against_the_whole_f16_cache_and_budgets_map_to_sizes(eb, tmp_path):
+    """A q8_0 row's increase is its answer NLL minus f16/'s full (not its own folder's full, which is quantization's
+    own loss); a policy's smaller K is the smaller size. Mutants: the folder's own full as reference (the record's
+    answer_nll_increase), the K order reversed."""
+    ids = ["a/problem_1/correct", "a/problem_2/correct"]
+    _write(tmp_path, "f16", [_rec(t, "full", None, 1.0, kv_mib=100) for t in ids]
+           + [_rec(t, "random", k, 1.0 + d, peak=k * 10) for t in ids for k, d in ((500, 0.3), (1000, 0.1))])
+    _write(tmp_path, "q8_0", [_rec(t, "full", None, 1.05, kv_mib=53) for t in ids]
+           + [_rec(t, "random", k, 1.0 + d, peak=k * 5) for t in ids for k, d in ((1000, 0.2), (2000, 0.02))])
+    mem = [12 * 2 ** 20, 24 * 2 ** 20]
+    s = eb.summarise(eb.collect(eb.load(tmp_path), mem), mem)
+    rows = {(r["policy"], r["type"], r["memory"]): r for r in s["rows"]}
+    assert rows[("random", "q8_0", mem[0])]["increase"][0] == pytest.approx(0.2)
+    assert rows[("random", "q8_0", mem[1])]["K"] == 2000 and rows[("random", "f16", mem[0])]["K"] == 500
+    whole = {w["type"]: w for w in s["whole"]}
+    assert whole["q8_0"]["increase"][0] == pytest.approx(0.05) and whole["f16"]["increase"][0] == 0
+    assert whole["q8_0"]["fits"][str(mem[0])] == 0 and whole["q8_0"]["bytes_median"] == 53 * 2 ** 20
+
+
+def test_the_bootstrap_resamples_problems_not_traces(eb):
+    """Three traces of problem 1 at +0.3 and one of problem 2 at -0.1: resampling problems gives only the means
+    +0.3, -0.1 and +0.2 (both problems), so the interval's ends are among those. Mutant: resampling traces (means
+    like +0.1 appear)."""
+    diffs = {"x/problem_1/a": 0.3, "x/problem_1/b": 0.3, "x/problem_1/c": 0.3, "x/problem_2/a": -0.1}
+    mean, lo, hi = eb.cluster_ci(diffs, n_boot=2000)
+    assert mean == pytest.approx(0.2)
+    for end in (lo, hi):
+        assert min(abs(end - v) for v in (0.3, -0.1, 0.2)) < 1e-9
+
+
+def test_paired_counts_wins_on_common_traces(eb):
+    """paired(a, b): a - b on the traces both have; a win is a trace where a loses less. Mutant: wins counted where
+    a loses more."""
+    a = {"p/problem_1/x": (0.1, 0, 0), "p/problem_2/x": (0.5, 0, 0), "p/problem_3/x": (0.2, 0, 0)}
+    b = {"p/problem_1/x": (0.2, 0, 0), "p/problem_2/x": (0.4, 0, 0)}
+    p = eb.paired(a, b)
+    assert p["n"] == 2 and p["wins"] == 1 and p["mean"] == pytest.approx(0.0)
+    assert np.isfinite(p["low"])
+
+
+def test_missing_reference_folder_is_one_line_exit_2(eb, tmp_path, capsys):
+    assert eb.main(["--root", str(tmp_path)]) == 2
+    assert "f16/results.jsonl is missing" in capsys.readouterr().err
+    assert eb.main(["--root", str(tmp_path), "--memories", "lots"]) == 2
