@@ -332,7 +332,7 @@ def equal_bytes() -> str:
     """Issue 56's equal-memory rows: eviction on F16 / q8_0 / q4_0 cells, the whole cache quantized, context shift;
     benchmarks/equal_bytes.py's own tables on the three folders' records."""
     mod = _bench_module("equal_bytes")
-    files = [f"{EQUAL_BYTES}/{t}/results.jsonl" for t in mod.TYPES if (RESULTS / EQUAL_BYTES / t).exists()]
+    files = [f"{EQUAL_BYTES}/{t}/results.jsonl" for t in mod.TYPES if (RESULTS / EQUAL_BYTES / t / "results.jsonl").is_file()]
     raw(f"{EQUAL_BYTES}/f16/results.jsonl")  # the reference folder must exist: a one-line error otherwise
     memories = [mod.parse_size(x) for x in ("12MiB", "24MiB")]
     try:
