@@ -668,3 +668,14 @@ def test_budgets_per_policy_share_one_reference_pass_per_trace(tiny, tmp_path, m
     got = sorted({(r["policy"], r["budget"]) for r in recs}, key=str)
     assert got == sorted({("full", None), ("streaming", 40), ("epikv", 56), ("epikv", 64)}, key=str)
     assert len(recs) == 8 and calls == ["synthetic/good", "synthetic/other"]
+
+
+def test_the_report_states_peak_kv_bytes_beside_k():
+    """llama.cpp records carry kv_peak_bytes: the report's table gives its mean in MiB beside K; torch records (none)
+    show "-". Mutant: the column left out, or read from peak_cache_tokens."""
+    from epikv.retention.report import table
+
+    recs = [{**_rec("random", 64, str(i), answer_nll_increase=0.1), "kv_peak_bytes": 3 * 2 ** 20} for i in range(3)]
+    recs += [_rec("streaming", 64, str(i), answer_nll_increase=0.1) for i in range(3)]
+    rows = {line.split("|")[1].strip(): line for line in table(aggregate(recs)).splitlines()[2:]}
+    assert rows["random"].rstrip(" |").endswith("3.00") and rows["streaming"].rstrip(" |").endswith("-")

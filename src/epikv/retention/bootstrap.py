@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 
 METRICS = ("answer_nll_increase", "top1_agreement", "kl", "answer_nll", "tail_nll_increase", "answer_kl", "seconds",
-           "peak_cache_tokens")
+           "peak_cache_tokens", "kv_peak_bytes")  # kv_peak_bytes: llama.cpp records (cells + policy buffers)
 # the direction in which a metric is better, for paired comparisons
 LOWER_IS_BETTER = {"answer_nll_increase": True, "top1_agreement": False, "kl": True, "answer_nll": True,
                    "tail_nll_increase": True, "answer_kl": True}

@@ -40,10 +40,17 @@ def _fmt(ci, pct: bool = False, digits: int = 4, sci: bool = False) -> str:
 def table(rows: list[dict]) -> str:
     lines = ["| policy | budget | traces | answer NLL increase | top-1 agreement % | KL (reasoning) | answer NLL | "
              "s / trace | peak cache tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    # the peak KV bytes beside K where records carry them (llama.cpp: the cells at their type and the policy's
+    # buffers); a table of torch records alone has no such column
+    bytes_col = any(not math.isnan((r.get("kv_peak_bytes") or (math.nan,))[0]) for r in rows)
+    if bytes_col:
+        lines = [lines[0] + " peak KV MiB |", lines[1] + "---|"]
     for r in rows:
+        peak = (r.get("kv_peak_bytes") or (math.nan,))[0]
         lines.append(f"| {r['policy']} | {r['budget'] if r['budget'] is not None else 'all'} | {r['n']} | "
                      f"{_fmt(r['answer_nll_increase'])} | {_fmt(r['top1_agreement'], pct=True)} | {_fmt(r['kl'], sci=True)} | "
-                     f"{_fmt(r['answer_nll'], digits=3)} | {r['seconds'][0]:.1f} | {r['peak_cache_tokens'][0]:.0f} |")
+                     f"{_fmt(r['answer_nll'], digits=3)} | {r['seconds'][0]:.1f} | {r['peak_cache_tokens'][0]:.0f} |"
+                     + (f" {'-' if math.isnan(peak) else f'{peak / 2 ** 20:.2f}'} |" if bytes_col else ""))
     return "\n".join(lines) + "\n"
 
 
