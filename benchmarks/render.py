@@ -136,6 +136,24 @@ def llamacpp_capture() -> str:
             "a forward.\n\n" + source_line([f], d["command"]))
 
 
+def llamacpp_celltypes() -> str:
+    """Issue 56: eviction on q8_0 / q4_0 cells against F16 cells at the same K, interleaved rounds, per policy."""
+    files = ["llamacpp/celltypes-epikv-seg-q.json", "llamacpp/celltypes-epikv-learned-mean.json"]
+    rows = []
+    for f in files:
+        d = load_json(f)
+        for t, v in d["summary"].items():
+            lo, hi = v["time_vs_f16_range"]
+            rows.append([d["policy"], d["budget"], t, f"{v['tokens_per_s_median']:.2f}",
+                         f"{v['time_vs_f16_median']:.3f} ({lo:.3f}-{hi:.3f})", len(d["repeats"]),
+                         " / ".join(f"{x:.1f}" for x in d["load_average"])])
+    head = ["policy", "K", "cells", "tok/s (median)", "time vs F16 cells, median (range)", "repeats",
+            "load after"]
+    d = load_json(files[0])
+    return (table(head, rows) + f"\n\n{d['tokens']} new tokens a repeat, rounds of {d['round']} interleaved, "
+            f"flash attention on, {d['threads']} thread.\n\n" + source_line(files, d["command"]))
+
+
 def _segments(n: int, seg: int) -> list[str]:
     return [f"{i * seg + 1}-{(i + 1) * seg}" for i in range(n)]
 
@@ -1037,6 +1055,7 @@ RENDERERS = {
     "retention-attnfree": retention_attnfree,
     "llamacpp-step": llamacpp_step,
     "llamacpp-capture": llamacpp_capture,
+    "llamacpp-celltypes": llamacpp_celltypes,
     "llamacpp-long": llamacpp_long,
     "llamacpp-interleaved": llamacpp_interleaved,
     "serve-streams": serve_streams,
