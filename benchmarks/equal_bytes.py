@@ -13,7 +13,7 @@ Reads the three folders `benchmarks/results/equal-bytes/run.sh` writes (f16/, q8
 - a figure: peak KV bytes (x) against answer-NLL increase (y), one line per method across the budgets.
 
     python benchmarks/equal_bytes.py                      # the tables on stdout (markdown)
-    python benchmarks/equal_bytes.py --write              # also summary.json, table.md and equal_bytes.png
+    python benchmarks/equal_bytes.py --write              # also summary.json, table.md and docs/img/equal-bytes.png
 
 Only traces with a record in every row of a comparison are paired; the text states how many traces each row has.
 """
@@ -31,6 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "benchmarks" / "results" / "equal-bytes"
+FIGURE = ROOT / "docs" / "img" / "equal-bytes.png"
 TYPES = ("f16", "q8_0", "q4_0")
 EPIKV = ("epikv-seg-q", "epikv-learned-mean")  # the epikv rows the goal compares
 BASELINES = ("context-shift", "random", "streaming")
@@ -240,7 +241,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=str(DEFAULT))
     ap.add_argument("--memories", default="12MiB,24MiB", help="the --kv-memory sizes of the run, in order")
-    ap.add_argument("--write", action="store_true", help="write summary.json, table.md and equal_bytes.png to --root")
+    ap.add_argument("--write", action="store_true",
+                    help="write summary.json and table.md to --root, the figure to docs/img/equal-bytes.png")
     args = ap.parse_args(argv)
     try:
         memories = [parse_size(x) for x in args.memories.split(",")]
@@ -257,9 +259,10 @@ def main(argv=None) -> int:
     text = tables(s)
     print(text)
     if args.write:
+        FIGURE.parent.mkdir(parents=True, exist_ok=True)
         (root / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
         (root / "table.md").write_text(text)
-        figure(s, root / "equal_bytes.png")
+        figure(s, FIGURE)
     return 0
 
 
