@@ -673,6 +673,36 @@ def _retention_records() -> tuple[list[str], dict]:
     return files, cells
 
 
+def default_claim() -> str:
+    """The README's sentence on the default: its answer-NLL change against random, and streaming's, at each budget
+    of the whole-trace run (the same cells as retention_vs_random), and whether any survives Holm's correction."""
+    from epikv.policies import DEFAULT_POLICY
+    from epikv.retention.bootstrap import holm, signed_rank_p
+
+    files, cells = _retention_records()
+    budgets = sorted({k for p, k in cells if p == DEFAULT_POLICY and ("random", k) in cells})
+
+    def diffs(p):
+        out = []
+        for k in budgets:
+            mine, ref = cells[(p, k)], cells[("random", k)]
+            both = sorted(set(mine) & set(ref))
+            out.append([mine[t] - ref[t] for t in both])
+        return out
+
+    mine, stream = diffs(DEFAULT_POLICY), diffs("streaming")
+    adj = holm([signed_rank_p(d) for d in mine])
+    fmt = lambda ds: ", ".join(f"{statistics.fmean(d):+.3f}" for d in ds)  # noqa: E731
+    ks = ", ".join(f"{k:,}" for k in budgets)
+    below = [f"{k:,}" for k, p, d in zip(budgets, adj, mine) if p < 0.05 and statistics.fmean(d) < 0]
+    verdict = (f"below random at K = {', '.join(below)} and level at the other budgets" if below
+               else "level with random at every budget")
+    return (f"On {len(mine[0])} whole reasoning traces its answer-NLL change against random eviction is {fmt(mine)} "
+            f"nats/token at K = {ks} (signed-rank p after Holm's correction over the {len(adj)} budgets: "
+            + ", ".join(f"{p:.2g}" for p in adj) + f"): {verdict}. `streaming`, which reads nothing: {fmt(stream)} "
+            f"against random.\n\n" + source_line(files, "benchmarks/results/retention-full/run.sh"))
+
+
 def retention_vs_random() -> str:
     files, cells = _retention_records()
     budgets = sorted({k for _, k in cells})
@@ -1052,6 +1082,7 @@ def _env() -> dict:
 RENDERERS = {
     "headline": headline,
     "retention-vs-random": retention_vs_random,
+    "default-claim": default_claim,
     "retention-attnfree": retention_attnfree,
     "llamacpp-step": llamacpp_step,
     "llamacpp-capture": llamacpp_capture,

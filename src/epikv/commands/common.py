@@ -258,8 +258,8 @@ def default_policy_help(by_engine: bool = False) -> str:
 
     own = [f"--engine {key.split('-', 1)[1]}, which refuses it: {name}" for key, name in ENTRY_DEFAULTS.items()
            if by_engine and key.startswith("serve-")]
-    return (f"default {DEFAULT_POLICY}: on whole reasoning traces level with streaming and random eviction within "
-            "the intervals (docs/choosing.md)"
+    return (f"default {DEFAULT_POLICY}: on whole reasoning traces close to streaming and to random eviction "
+            "(README, docs/choosing.md)"
             + "".join(f"; on {o}" for o in own))
 
 
