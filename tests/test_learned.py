@@ -117,7 +117,7 @@ def test_other_model_shape_is_refused_in_one_line(tmp_path, capsys):
         assert code == 2 and len(err) == 1 and "fitted on other (5 layers" in err[0] and "4 layers" in err[0], err
     if shipped_weights():  # the shipped SmolLM2 weights do not fit the tiny model either
         code, _, err = _cli(base + ["--policy", "epikv-learned"], capsys)
-        assert code == 2 and len(err) == 1 and "no shipped weights fit" in err[0], err
+        assert code == 2 and len(err) == 1 and "no weights fit this model (4 layers" in err[0], err
 
 
 def test_calibrate_command_is_resumable(tiny, tmp_path, capsys, monkeypatch):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,15 +246,34 @@ def load_checkpoint(path: Path, config: dict, sums: RidgeSums) -> tuple[list[str
     return list(done), tokens
 
 
+def default_out(model_name: str, model) -> Path:
+    """Where `epikv calibrate` writes without --out: the weights cache folder (policies/learned.cache_dir), named
+    after the model and its weights checksum, so a fine-tune gets its own file and a rerun resumes the same one."""
+    from .cache import decoder_layers
+    from .policies.learned import cache_dir
+
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
+    check = model_fingerprint(model, decoder_layers(model)).rsplit("|", 1)[1]
+    return cache_dir() / f"{base}-{check}.safetensors"
+
+
 def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, target: str = "kvzap",
               max_tokens: int = 512, ridge: float = 1e-3, model_name: str = "", save_every: float = 60.0,
-              progress=None) -> tuple[LearnedWeights, dict]:
-    """Fit and write the weights file `out`; returns (weights, report). Resumes from `<out>.partial.pt`."""
+              progress=None, also_fits: list[str] = ()) -> tuple[LearnedWeights, dict]:
+    """Fit and write the weights file `out`; returns (weights, report). Resumes from `<out>.partial.pt`.
+    also_fits: fingerprints of other forms of this model (its GGUF conversions: llamacpp/gguf_file.py) recorded as
+    fitting too; each must have the model's architecture and shapes."""
     if target not in TARGETS:
         raise EpiKVError(f"calibrate: target must be one of {', '.join(TARGETS)}, got {target!r}")
     from .cache import decoder_layers
 
     sig = model_signature(model)
+    mine = json.dumps(sig, sort_keys=True)
+    for f in also_fits:
+        if f.rsplit("|", 1)[0] != mine:
+            raise EpiKVError(f"calibrate: --also-for names a model of another architecture or shape "
+                             f"({f.rsplit('|', 1)[0]}) than this one ({mine})")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(str(out) + ".partial.pt")
     ids_all = [i for i, _ in texts]
     config = {"signature": sig, "max_tokens": max_tokens, "texts": hashlib.sha256("\n".join(
@@ -304,6 +324,8 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
             "fingerprint": model_fingerprint(model, decoder_layers(model)), "target": target,
             "texts": len([d for d in done if d in set(ids_all)]), "text_ids": ",".join(done), "tokens": tokens,
             "ridge": ridge, "max_tokens": max_tokens}
+    if also_fits:
+        meta["also_fits"] = "\n".join(dict.fromkeys(also_fits))
     lw = LearnedWeights(w, b, mu, sd, meta)
     lw.save(out)
     report = {"out": str(out), "target": target, "texts": meta["texts"], "tokens": tokens,
