@@ -4,6 +4,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every test (and the CLI subprocesses it starts) reads the data shipped in the package, never a developer's override
 os.environ.pop("EPIKV_DATA_DIR", None)
+# and no developer's learned weights: the weights cache folder is an empty one of this run's (tests that fill it set
+# their own)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ["EPIKV_WEIGHTS_DIR"] = tempfile.mkdtemp(prefix="epikv-test-weights-")
+atexit.register(shutil.rmtree, os.environ["EPIKV_WEIGHTS_DIR"], True)
 
 import pytest
 import torch

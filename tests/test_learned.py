@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epikv.calibrate import RidgeSums, attention_targets, layer_run, normalise, read_texts
+from epikv.calibrate import NearDuplicates, RidgeSums, attention_targets, layer_run, read_texts
 from epikv.cli import main
 from epikv.data import SHIPPED
 from epikv.engine import Decoder
@@ -117,7 +117,7 @@ def test_other_model_shape_is_refused_in_one_line(tmp_path, capsys):
         assert code == 2 and len(err) == 1 and "fitted on other (5 layers" in err[0] and "4 layers" in err[0], err
     if shipped_weights():  # the shipped SmolLM2 weights do not fit the tiny model either
         code, _, err = _cli(base + ["--policy", "epikv-learned"], capsys)
-        assert code == 2 and len(err) == 1 and "no shipped weights fit" in err[0], err
+        assert code == 2 and len(err) == 1 and "no weights fit this model (4 layers" in err[0], err
 
 
 def test_calibrate_command_is_resumable(tiny, tmp_path, capsys, monkeypatch):
@@ -164,17 +164,27 @@ def _traces():
 
 
 def test_exclude_leaves_out_the_traces_problems(tmp_path):
+    """--exclude drops a record whose problem is a trace's and one whose text copies a passage of a trace's
+    reasoning with other case, spacing and punctuation. Mutant: NearDuplicates.near comparing whole texts only
+    (their words equal)."""
     tr = _traces()
+    passage = " ".join(tr[3]["trace"].split()[200:260])
     f = tmp_path / "mix.jsonl"
     f.write_text(json.dumps({"id": "t", "problem": tr[0]["problem"], "solution": "s"}) + "\n"
+                 + json.dumps({"id": "copy", "problem": "Find x.", "solution": "We see: " + passage.upper().replace(
+                     " ", "  ").replace(",", " ,") + " So x = 3."}) + "\n"
                  + json.dumps({"id": "ok", "problem": "What is 1 + 1?", "solution": "2"}) + "\n")
     assert [i for i, _ in read_texts(str(f), "solution", str(DATA / "reasoning_traces.jsonl"), None)] == ["ok"]
-    assert len(read_texts(str(f), "solution", None, None)) == 2
+    assert len(read_texts(str(f), "solution", None, None)) == 3
 
 
 def test_shipped_weights_were_fitted_on_texts_disjoint_from_the_traces():
-    """Every text the shipped weights were fitted on is a MATH-500 / GSM8K solution whose problem is none of the 28
-    traces' and which no trace contains."""
+    """Every text the shipped weights were fitted on (its problem and its solution) is a MATH-500 / GSM8K record
+    that near-duplicates none of the 28 traces' problems, reasoning or solutions: less than NEAR_SHARE of its word
+    13-grams occur in them, so a copy with other case, spacing or punctuation, or a text sharing a long passage with
+    a trace, fails, not only an exact copy (the planted ones below). It reads the traces and problems shipped in the
+    package (src/epikv/datasets/), so it runs where ../shared/data is absent; where that is present, the shipped
+    traces are the shared ones. Mutant: NearDuplicates.near comparing whole texts only (their words equal)."""
     files = shipped_weights()
     assert files, "no shipped weights"
     records = {}
@@ -184,18 +194,25 @@ def test_shipped_weights_were_fitted_on_texts_disjoint_from_the_traces():
                 r = json.loads(l)
                 records[r["id"]] = r
     tr = _traces()
-    assert len(tr) == 28
-    problems = {normalise(t["problem"]) for t in tr}
-    bodies = [normalise(t["trace"]) + " " + normalise(t.get("solution") or "") for t in tr]
+    assert len(tr) == 28 and len({t["id"] for t in tr}) == 28
+    shared = ROOT.parent / "shared" / "data" / "reasoning_traces.jsonl"
+    if shared.is_file():
+        assert [json.loads(l)["id"] for l in shared.read_text().splitlines() if l.strip()] == [t["id"] for t in tr]
+    near = NearDuplicates(t[k] for t in tr for k in ("problem", "trace", "solution", "prompt")
+                          if isinstance(t.get(k), str))
+    # planted near-duplicates: a trace's solution recased and respaced, and a new text around 40 words of a trace
+    sol = tr[5]["solution"]
+    assert near.near(" ".join(sol.upper().split()).replace(",", " , "))
+    assert near.near("Let us try another way. " + " ".join(tr[9]["trace"].split()[300:340]) + " Done, so the answer"
+                     " is 12. " + "We check it twice more by a different route and it holds. " * 8)
     for f in files:
         meta = load_weights(f).meta
         ids = meta["text_ids"].split(",")
         assert len(ids) == int(meta["texts"]) >= 10
         for i in ids:
             r = records[i]  # a MATH-500 / GSM8K record
-            assert normalise(r["problem"]) not in problems
-            sol = normalise(r["solution"])
-            assert not any(sol in b for b in bodies)
+            for text in (r["problem"], r["solution"]):
+                assert not near.near(text), (i, near.share(text))
 
 
 def test_keep_sets_per_kv_head_on_torch_and_one_per_token_served(tiny, tmp_path):

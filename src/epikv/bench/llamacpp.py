@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from ..policies import get_policy
-from ..llamacpp.engine import LlamaDecoder, check_policy
+from ..llamacpp.engine import LlamaDecoder, check_model_policy
 from ..llamacpp.model import GGUFModel
 
 
@@ -36,7 +36,7 @@ class SpeedRun:
                  total: int) -> None:
         self.cfg = cfg
         self.policy = cfg.make()
-        check_policy(self.policy, eng.gm.depth)
+        check_model_policy(eng.gm, self.policy)
         ids = [int(t) for t in filler[0, :fill_to]]  # [fill_to]; the prompt is its first tokens
         p = prompt.shape[1]
         self.dec = LlamaDecoder(eng.gm, self.policy, budget if self.policy.evicts else None, max_tokens=total,

@@ -409,20 +409,20 @@ def _run_speed_llamacpp(args, names, taus, configs, settings) -> int:
     and each row's context cells and KV bytes); policies llama.cpp cannot run are refused by name before any work."""
     from ..bench.memory import Journal
     from ..bench.plots import plot_speed
-    from ..llamacpp import check_policy, load_gguf
-    from ..llamacpp.engine import default_threads
+    from ..llamacpp import load_gguf
+    from ..llamacpp.engine import check_model_policy, default_threads
     from ..bench.llamacpp import LlamaCppSpeed, long_generation
     from .engines import LlamaCppEngine
 
     LlamaCppEngine.refuse_torch_options(args)
     gm = load_gguf(args.model)
     for c in configs:
-        check_policy(c.make(), gm.depth)
+        check_model_policy(gm, c.make())
     if not args.no_long:
         from ..policies import get_policy
 
         for name in args.long_policies:
-            check_policy(get_policy(name, tau=taus[0], **settings[name]), gm.depth)
+            check_model_policy(gm, get_policy(name, tau=taus[0], **settings[name]))
         if gm.n_ctx_train and args.prompt_tokens + max(args.long_lengths) > gm.n_ctx_train:
             raise EpiKVError(f"--prompt-tokens {args.prompt_tokens} + {max(args.long_lengths)} generated tokens "
                              f"exceeds the model's context limit of {gm.n_ctx_train} positions")

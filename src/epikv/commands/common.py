@@ -299,6 +299,10 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
     g.add_argument("--bands-file", default=None,
                    help="a band file written by `epikv anatomy bands` (its layers: epikv, epikv-raw, epikv-a; "
                         "its bands: epikv-band)")
+    g.add_argument("--weights", default=None, metavar="FILE",
+                   help="learned weights (a file from `epikv calibrate`) for the epikv-learned policies, still checked "
+                        "against the model's fingerprint; default: the file fitted on this model, from the shipped "
+                        "ones and the cache folder $EPIKV_WEIGHTS_DIR (~/.cache/epikv/weights)")
     g.add_argument("--set", type=policy_setting, action="append", default=[], metavar="POLICY.SETTING=VALUE",
                    help="any other policy setting, e.g. lagkv.lag=128 (repeatable; see `epikv policies --json`)")
 
@@ -373,6 +377,8 @@ def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:
         s["layers"] = layers[: 1] if policy_name == "epikv-a" else layers
     if bands is not None and "bands" in fields:
         s["bands"] = bands
+    if getattr(args, "weights", None) is not None and "weights" in fields:
+        s["weights"] = args.weights
     s.update({key: value for name, key, value in getattr(args, "set", None) or [] if name == policy_name})
     n_blocks = 1 if policy_name == "epikv-a" else 2
     if s.get("layers") is not None and "layers" in fields and len(s["layers"]) != n_blocks:
@@ -410,6 +416,12 @@ def settings_by_policy(args: argparse.Namespace, specs: list[str], variants: boo
     has = lambda key: [n for n in names if key in fields[n]]  # noqa: E731
     if getattr(args, "layers", None) is not None and not has("layers"):
         raise EpiKVError(f"--layers is read by epikv, epikv-raw and epikv-a, not by {running}")
+    if getattr(args, "weights", None) is not None:
+        if not has("weights"):
+            raise EpiKVError(f"--weights is read by the epikv-learned policies, not by {running}")
+        from ..policies.learned import load_weights
+
+        load_weights(args.weights)  # a missing or foreign file: one line, before the model loads
     if getattr(args, "bands", None) is not None and not has("bands"):
         raise EpiKVError(f"--bands is read by epikv-band only, not by {running} (for epikv: --layers)")
     if getattr(args, "bands_file", None):

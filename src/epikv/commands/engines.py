@@ -151,10 +151,10 @@ class LlamaCppEngine:
         self.type_k, self.type_v, self.flash_attn = cache_setup(self.gm, args, self.notes)
 
     def layer_choice(self, policy):
-        from ..llamacpp import check_policy
+        from ..llamacpp.engine import check_model_policy
         from ..policies.hidden import layer_note
 
-        check_policy(policy, self.gm.depth)  # refused before any output
+        check_model_policy(self.gm, policy)  # refused before any output
         if not hasattr(policy, "layers"):
             return None
         blocks = sorted(policy.observes(self.gm.depth).hidden_layers)

@@ -83,11 +83,19 @@ def default_threads() -> int:
     return max(1, n // 2)
 
 
+def check_model_policy(gm: GGUFModel, policy: Policy) -> None:
+    """check_policy, and for a policy with learned weights the weights fitted on this very model (its GGUF
+    fingerprint: gguf_file.py), chosen or checked by the policy (policies/learned.py), else refused in one line."""
+    check_policy(policy, gm.depth)
+    if getattr(policy, "check_model", None) is not None:
+        policy.check_model(gm.fingerprint, gm.depth)
+
+
 def checked_policy(gm: GGUFModel, policy: str | Policy, budget: int | None, tau: int | None,
                    **policy_settings) -> tuple[Policy, list[int]]:
     """The policy and the blocks it reads, refused in one line where llama.cpp or this model cannot run it."""
     pol = get_policy(policy, tau=tau, **policy_settings)
-    check_policy(pol, gm.depth)
+    check_model_policy(gm, pol)
     if pol.evicts:
         gm.check_evictable()
         if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -367,7 +375,7 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
     tok = gm.tokenizer
     ids = encode_prompts(tok, [prompt], chat=chat, system=system)[0]
     pol = get_policy(policy, tau=tau, **policy_settings)
-    check_policy(pol, gm.depth)
+    check_model_policy(gm, pol)
     shim = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=gm.n_ctx_train or None))
     check_context(shim, pol, budget, len(ids), max_new_tokens, allow_beyond_context)
     # prompt chunks of at most 512 tokens, so an evicting context is about budget + prompt cells: freed cells are

@@ -180,6 +180,14 @@ class GGUFModel:
         """The llama_model pointer (EpiKVError once closed)."""
         return self.handle.ptr
 
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint (architecture, shapes and a checksum of some stored weights, read from the GGUF
+        file: gguf_file.py), which learned weights are checked against; cached per file and modification time."""
+        from .gguf_file import gguf_fingerprint
+
+        return gguf_fingerprint(self.path)
+
     def kv_bytes_per_cell(self, type_k: str = "f16", type_v: str | None = None) -> int:
         """Bytes one KV cell takes over every layer: K and V rows of each layer's KV heads, as llama.cpp allocates
         them at these cell types (llama.cpp's names; type_v defaults to type_k), 0 for a model without attention

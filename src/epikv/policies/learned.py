@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,25 +81,124 @@ def _load(path: str, mtime: int) -> LearnedWeights:
     return LearnedWeights(w, t["bias"], t["mean"], t["std"], meta)
 
 
+CACHE_ENV = "EPIKV_WEIGHTS_DIR"
+
+
+def cache_dir() -> Path:
+    """The user's weights folder, where `epikv calibrate` writes by default and the engines look after the shipped
+    folder: $EPIKV_WEIGHTS_DIR, else ~/.cache/epikv/weights."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "epikv" / "weights"
+
+
 def shipped_weights() -> list[Path]:
     return sorted(SHIPPED.glob("*.safetensors"))
 
 
-def find_weights(path: str | None, n_layers: int, kv_heads: int | None = None, hidden: int | None = None
-                 ) -> LearnedWeights:
-    """The weights file given, or the shipped one fitted for a model of this shape; a shape mismatch is refused in
-    one line."""
+def cached_weights() -> list[Path]:
+    """The cache folder's weights files, newest first (a model calibrated again gets its latest fit)."""
+    d = cache_dir()
+    if not d.is_dir():
+        return []
+    files = [p for p in d.glob("*.safetensors") if p.is_file()]
+    return sorted(files, key=lambda p: (-p.stat().st_mtime_ns, p.name))
+
+
+def accepted_fingerprints(lw: LearnedWeights) -> list[str]:
+    """The fingerprints of the models a weights file fits: the one it was fitted on ('fingerprint') and those
+    recorded as the same model in another engine's form ('also_fits', one a line: e.g. its GGUF conversion, whose
+    stored bytes give another checksum: llamacpp/gguf_file.py)."""
+    out = [lw.meta["fingerprint"]] if lw.meta.get("fingerprint") else []
+    return out + [f for f in lw.meta.get("also_fits", "").splitlines() if f and f not in out]
+
+
+def fitted_on(lw: LearnedWeights, fingerprint: str) -> bool:
+    """Whether the weights fit the model of this fingerprint: one they record, checksum included (a model of the
+    same architecture and shapes with other weights does not)."""
+    return fingerprint in accepted_fingerprints(lw)
+
+
+def _shape_of(fingerprint: str) -> dict:
+    try:
+        return json.loads(fingerprint.rsplit("|", 1)[0])
+    except (ValueError, IndexError):
+        return {}
+
+
+def add_fingerprints(path: str | Path, fingerprints: list[str]) -> list[str]:
+    """Record in a weights file that it also fits these models (another engine's form of the model it was fitted
+    on). Only the safetensors header's metadata is rewritten (atomically): the tensors stay byte-identical. A
+    fingerprint of another shape than the weights' is refused in one line. Returns the fingerprints added."""
+    p = Path(path)
+    lw = load_weights(p)
+    l, g, d = lw.shape
+    for f in fingerprints:
+        sig = _shape_of(f)
+        if (sig.get("layers"), sig.get("kv_heads"), sig.get("hidden")) != (l, g, d):
+            raise EpiKVError(f"learned weights {str(p)!r} ({lw.describe()}) cannot fit a model of another shape "
+                             f"({f.rsplit('|', 1)[0]})")
+    have = accepted_fingerprints(lw)
+    new = [f for f in dict.fromkeys(fingerprints) if f not in have]
+    if not new:
+        return []
+    raw = p.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    meta = header.setdefault("__metadata__", {})
+    meta["also_fits"] = "\n".join([f for f in meta.get("also_fits", "").splitlines() if f] + new)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # safetensors pads its header with spaces to 8 bytes
+    tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return new
+
+
+def _known(fingerprint: str | None) -> bool:
+    return bool(fingerprint) and not fingerprint.endswith("|unknown")  # unknown: offloaded, shape check only
+
+
+def find_weights(path: str | None, n_layers: int, kv_heads: int | None = None, hidden: int | None = None,
+                 fingerprint: str | None = None) -> LearnedWeights:
+    """The weights file given (checked against the model's shape and, when known, its fingerprint), or else the
+    file whose recorded fingerprints include the model's, from the shipped folder first, then the cache folder
+    (cache_dir(), newest first); a file written before fingerprints (none recorded) of the model's shape after
+    those. Without a fingerprint (an engine that does not take one) the first file of the model's shape. Nothing
+    that fits is refused in one line."""
     if path is not None:
         lw = load_weights(path)
         check_shape(lw, n_layers, kv_heads, hidden)
+        if _known(fingerprint):
+            check_fingerprint(lw, fingerprint)
         return lw
     found = [load_weights(p) for p in shipped_weights()]
-    for lw in found:
-        if lw.shape[0] == n_layers and kv_heads in (None, lw.shape[1]) and hidden in (None, lw.shape[2]):
-            return lw
+    for p in cached_weights():
+        try:
+            found.append(load_weights(p))
+        except EpiKVError:  # a stray or half-written file in the user's folder is passed over, not fatal
+            continue
+    fits = [lw for lw in found if lw.shape[0] == n_layers and kv_heads in (None, lw.shape[1])
+            and hidden in (None, lw.shape[2])]
+    if not _known(fingerprint):
+        if fits:
+            return fits[0]
+    else:
+        for lw in fits:
+            if fitted_on(lw, fingerprint):
+                return lw
+        for lw in fits:
+            if not accepted_fingerprints(lw):
+                return lw
+        if fits:  # same shape, fitted on another model: say which (a fine-tune or another checkpoint)
+            check_fingerprint(fits[0], fingerprint)
     have = "; ".join(lw.describe() for lw in found) or "none"
-    raise EpiKVError(f"epikv-learned: no shipped weights fit a model of {n_layers} layers (shipped: {have}); fit "
-                     "weights for this model with `epikv calibrate` and pass them as weights=<file>")
+    mine = f"{n_layers} layers" + (f", fingerprint {fingerprint.rsplit('|', 1)[1]}" if _known(fingerprint) else "")
+    raise EpiKVError(f"epikv-learned: no weights fit this model ({mine}) in the shipped folder or {cache_dir()} "
+                     f"(found: {have}); fit them with `epikv calibrate --model MODEL` (it writes to that folder) or "
+                     "name a file with --weights")
 
 
 def check_shape(lw: LearnedWeights, n_layers: int, kv_heads: int | None, hidden: int | None) -> None:
@@ -109,17 +211,18 @@ def check_shape(lw: LearnedWeights, n_layers: int, kv_heads: int | None, hidden:
 
 
 def check_fingerprint(lw: LearnedWeights, fingerprint: str) -> None:
-    """Refuse, in one line, weights fitted on another model: the fingerprint in their header (architecture, shapes
-    and a checksum of some weights: epikv/fingerprint.py) against the model's. Weights written before fingerprints
-    carry none and are checked by shape alone (check_shape)."""
-    have = lw.meta.get("fingerprint")
-    if not have or have == fingerprint or fingerprint.endswith("|unknown"):  # unknown: offloaded, shape check only
+    """Refuse, in one line, weights fitted on another model: the fingerprints in their header (architecture, shapes
+    and a checksum of some weights: epikv/fingerprint.py, llamacpp/gguf_file.py) against the model's. Weights
+    written before fingerprints carry none and are checked by shape alone (check_shape)."""
+    have = accepted_fingerprints(lw)
+    if not have or not _known(fingerprint) or fitted_on(lw, fingerprint):
         return
-    same_shape = have.rsplit("|", 1)[0] == fingerprint.rsplit("|", 1)[0]
+    same_shape = any(h.rsplit("|", 1)[0] == fingerprint.rsplit("|", 1)[0] for h in have)
     why = ("the same architecture and shapes but other weights (a fine-tune or another checkpoint)" if same_shape
            else "another architecture or shape")
+    theirs = ", ".join(h.rsplit("|", 1)[1] for h in have)
     raise EpiKVError(f"epikv-learned: the weights {lw.describe()} were fitted on another model: this one has {why} "
-                     f"(fingerprint {fingerprint.rsplit('|', 1)[1]}, the weights' {have.rsplit('|', 1)[1]}); fit "
+                     f"(fingerprint {fingerprint.rsplit('|', 1)[1]}, the weights' {theirs}); fit "
                      "weights for it with `epikv calibrate`")
 
 
@@ -146,7 +249,8 @@ class LearnedScore(Policy):
     or the log of the mean attention it receives). Each token is scored once, on arrival, from block (l - 1)'s
     output for layer l (block 0's for layer 0); the score is frozen. Keeps the prompt, the newest min(128, K/4)
     tokens and the top-scoring rest per layer and KV head. Reads no attention. `weights`: a file from `epikv
-    calibrate`; None = the shipped weights fitted for a model of this shape (SmolLM2-135M).
+    calibrate`; None = the file whose recorded fingerprint is the model's, from the shipped weights (SmolLM2-135M,
+    its transformers form and its embedded GGUF) and the cache folder ($EPIKV_WEIGHTS_DIR, ~/.cache/epikv/weights).
     """
 
     weights: str | None = None
@@ -158,13 +262,22 @@ class LearnedScore(Policy):
     def observes(self, n_layers):
         return Observes(hidden_layers=tuple(sorted({feature_block(l) for l in range(n_layers)})))
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weights is not None:
+            load_weights(self.weights)  # a missing or foreign file is refused when the policy is made
+
     def init_state(self, batch, n_layers, device):
-        return {"_lw": find_weights(self.weights, n_layers), "_n": n_layers}
+        checked = getattr(self, "_checked", None)  # the file check_model chose for this model
+        lw = checked[1] if checked is not None and checked[0] == int(n_layers) else find_weights(self.weights,
+                                                                                                 n_layers)
+        return {"_lw": lw, "_n": n_layers}
 
     def check_model(self, fingerprint: str, n_layers: int) -> None:
-        """Called by an engine that can fingerprint its model (epikv/fingerprint.py): refuse weights fitted on
-        another one."""
-        check_fingerprint(find_weights(self.weights, n_layers), fingerprint)
+        """Called by every engine before it runs the policy, with its model's fingerprint (epikv/fingerprint.py,
+        llamacpp/gguf_file.py): choose the weights fitted on this model (or check the named file against it),
+        refusing in one line weights fitted on another; init_state then uses the file chosen."""
+        self._checked = (int(n_layers), find_weights(self.weights, n_layers, fingerprint=fingerprint))
 
     def raw_scores(self, state, obs) -> torch.Tensor:
         lw, n = state["_lw"], state["_n"]

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..llamacpp.engine import LlamaDecoder, check_policy
+from ..llamacpp.engine import LlamaDecoder, check_model_policy
 from ..llamacpp.model import GGUFModel
 
 
@@ -31,7 +31,7 @@ class LlamaCppTraces:
         self.on_decoder: Callable[[LlamaDecoder], None] | None = None  # test hook: each run's decoder, before use
 
     def check(self, policy) -> None:
-        check_policy(policy, self.gm.depth)
+        check_model_policy(self.gm, policy)
 
     def stream_trace(self, item, policy, budget: int | None, on_logits: Callable[[int, torch.Tensor], None]):
         """Returns (forward seconds, cache stats, peak KV MiB at the cache's own type) as the runner's _stream."""
