@@ -872,10 +872,19 @@ def _fair_headline(rows: list[dict], first_run: list[dict] | None = None) -> lis
             "[serving](docs/benchmarks.md#interleaved-repeats)"]
 
 
+# the default policy's newest single-sequence step measurement (its code version: issue 50's one-layer mirror)
+DEFAULT_STEP = "llamacpp/step-seg-q-issue50.json"
+
+
 def headline() -> str:
     """The README's few headline figures, each from its raw file, each linking to its page."""
     inter = load_json("llamacpp/interleaved.json")
-    step = load_json("llamacpp/step.json")
+    step = load_json(DEFAULT_STEP)
+    from epikv.policies import DEFAULT_POLICY
+
+    if step["policy"] != DEFAULT_POLICY:  # the row states the default's step cost, not another policy's
+        raise RenderError(f"benchmarks/results/{DEFAULT_STEP} measured {step['policy']}, not the default "
+                          f"{DEFAULT_POLICY}: measure the default's step and point DEFAULT_STEP at it")
     srv = _streams_rows()
     fair_rows = _fair_latest()
     win = _window(list(srv.values()))
@@ -893,7 +902,7 @@ def headline() -> str:
     seg = inter["segments_tok_s"]
     ep_v = next(v for k, v in seg.items() if k.startswith("epikv"))
     pl_v = next(v for k, v in seg.items() if not k.startswith("epikv"))
-    held = next(r for r in step["rows"] if r["config"].startswith("epikv llama.cpp (C"))
+    held = next(r for r in step["rows"] if r["config"].startswith(f"{step['policy']} llama.cpp (C"))
 
     def paired(p, k=1024):
         mine, ref = cells[(p, k)], cells[("random", k)]
@@ -913,7 +922,8 @@ def headline() -> str:
             f"({_ratio(ep_v[-1], pl_v[-1])}; medians of {len(inter['repeats'])} interleaved repeats, load "
             f"{max(r['load_before'][0] for r in inter['repeats']):.2f} or less before each)"),
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
-        ["llama.cpp, cost of an evicting step (K = %d)" % step["budget"],
+        [f"llama.cpp, cost of an evicting step of the default `{step['policy']}` (K = {step['budget']}, "
+         f"{_threads(step['threads'])}, load {step['load_average'][0]:.2f})",
          f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         [f"`epikv serve --engine llama.cpp`, {srv['streams']['requests']} x {srv['streams']['max_tokens']:,} tokens, "

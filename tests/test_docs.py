@@ -434,3 +434,15 @@ def test_the_headline_reads_what_it_states_from_the_raw_files(monkeypatch):
     full = statistics.median(fair[min(fair)]["full"]["ratios"])
     monkeypatch.setattr(render, "load_jsonl", faster_llama_server)
     assert f"full {full / 2:.2f}x" in render.headline() and f"full {full:.2f}x" in base
+
+
+def test_the_headline_step_cost_is_the_default_policys(monkeypatch):
+    """The README's step-cost row names the default policy and reads its own raw file; pointed at another policy's
+    measurement (the flat epikv's step.json, which the row used to state) it refuses to render. Mutant: the policy
+    check removed."""
+    from epikv.policies import DEFAULT_POLICY
+
+    assert f"evicting step of the default `{DEFAULT_POLICY}`" in render.headline()
+    monkeypatch.setattr(render, "DEFAULT_STEP", "llamacpp/step.json")
+    with pytest.raises(render.RenderError, match="not the default"):
+        render.headline()
