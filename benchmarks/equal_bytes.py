@@ -36,6 +36,7 @@ TYPES = ("f16", "q8_0", "q4_0")
 EPIKV = ("epikv-seg-q", "epikv-learned-mean")  # the epikv rows the goal compares
 BASELINES = ("context-shift", "random", "streaming")
 N_BOOT = 4000
+MIN_PROBLEMS = 5  # an interval needs at least this many problems among the paired traces
 
 
 def problem_of(trace_id: str) -> str:
@@ -46,7 +47,7 @@ def problem_of(trace_id: str) -> str:
 
 def cluster_ci(diffs: dict[str, float], n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float, float]:
     """(mean, low, high) of the mean over traces, 95 % percentile interval from resampling problems with
-    replacement (all of a drawn problem's traces come with it)."""
+    replacement (all of a drawn problem's traces come with it); no interval (nan) under MIN_PROBLEMS problems."""
     if not diffs:
         return float("nan"), float("nan"), float("nan")
     by_problem: dict[str, list[float]] = defaultdict(list)
@@ -54,7 +55,7 @@ def cluster_ci(diffs: dict[str, float], n_boot: int = N_BOOT, seed: int = 0) -> 
         by_problem[problem_of(tid)].append(d)
     groups = list(by_problem.values())
     mean = float(np.mean([d for g in groups for d in g]))
-    if len(groups) < 2:
+    if len(groups) < MIN_PROBLEMS:  # a bootstrap over fewer problems says nothing: the mean alone
         return mean, float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     sums = np.array([sum(g) for g in groups])

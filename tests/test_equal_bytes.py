@@ -49,23 +49,32 @@ def test_rows_are_against_the_whole_f16_cache_and_budgets_map_to_sizes(eb, tmp_p
 
 
 def test_the_bootstrap_resamples_problems_not_traces(eb):
-    """Three traces of problem 1 at +0.3 and one of problem 2 at -0.1: resampling problems gives only the means
-    +0.3, -0.1 and +0.2 (both problems), so the interval's ends are among those. Mutant: resampling traces (means
-    like +0.1 appear)."""
-    diffs = {"x/problem_1/a": 0.3, "x/problem_1/b": 0.3, "x/problem_1/c": 0.3, "x/problem_2/a": -0.1}
-    mean, lo, hi = eb.cluster_ci(diffs, n_boot=2000)
-    assert mean == pytest.approx(0.2)
-    for end in (lo, hi):
-        assert min(abs(end - v) for v in (0.3, -0.1, 0.2)) < 1e-9
+    """Three traces of problem 1, one of each of problems 2-5: the interval's ends are those of the exact bootstrap
+    distribution over problems; under five problems there is no interval. Mutants: resampling traces (its low end
+    is about -0.09, not -0.20), MIN_PROBLEMS ignored."""
+    import itertools
+
+    vals = {1: 0.3, 2: -0.1, 3: 0.05, 4: 0.21, 5: -0.37}
+    diffs = {f"x/problem_1/{c}": 0.3 for c in "abc"} | {f"x/problem_{p}/a": v for p, v in vals.items() if p > 1}
+    groups = [[0.3] * 3] + [[vals[p]] for p in range(2, 6)]
+    # the exact bootstrap distribution over problems: every one of the 5^5 equally likely draws (its 2.5 % point
+    # is -0.200; resampling the 7 traces instead gives about -0.093)
+    exact = np.percentile([sum(sum(groups[i]) for i in pick) / sum(len(groups[i]) for i in pick)
+                           for pick in itertools.product(range(5), repeat=5)], [2.5, 97.5])
+    mean, lo, hi = eb.cluster_ci(diffs, n_boot=4000)
+    assert mean == pytest.approx(sum(diffs.values()) / len(diffs))
+    assert lo == pytest.approx(exact[0], abs=0.03) and hi == pytest.approx(exact[1], abs=0.03)
+    few = {k: v for k, v in diffs.items() if "problem_5" not in k}
+    assert np.isnan(eb.cluster_ci(few)[1])
 
 
 def test_paired_counts_wins_on_common_traces(eb):
     """paired(a, b): a - b on the traces both have; a win is a trace where a loses less. Mutant: wins counted where
     a loses more."""
-    a = {"p/problem_1/x": (0.1, 0, 0), "p/problem_2/x": (0.5, 0, 0), "p/problem_3/x": (0.2, 0, 0)}
-    b = {"p/problem_1/x": (0.2, 0, 0), "p/problem_2/x": (0.4, 0, 0)}
+    a = {f"p/problem_{i}/x": (v, 0, 0) for i, v in enumerate((0.1, 0.5, 0.2, 0.3, 0.3, 0.9))}
+    b = {f"p/problem_{i}/x": (v, 0, 0) for i, v in enumerate((0.2, 0.4, 0.1, 0.4, 0.3))}
     p = eb.paired(a, b)
-    assert p["n"] == 2 and p["wins"] == 1 and p["mean"] == pytest.approx(0.0)
+    assert p["n"] == 5 and p["wins"] == 2 and p["mean"] == pytest.approx(0.0, abs=1e-12)
     assert np.isfinite(p["low"])
 
 
