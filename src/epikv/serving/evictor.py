@@ -14,7 +14,11 @@ import torch
 
 from ..errors import EpiKVError
 from ..policies import Policy
-from ..policy_state import PolicyState
+from ..policy_state import PolicyState, held_bytes
+
+# the buffers a request keeps for its policy in the paged cache (policy_state.BUFFER_KINDS): its keys and values are
+# read from its pages when needed, never copied, and its hidden states live for one forward only
+TRACK_BUFFERS = ("queries", "token_data", "policy_state")
 
 
 def _kv_rows(lay, request_id: str, start: int, stop: int, layers) -> tuple[list, list]:
@@ -45,6 +49,11 @@ class Track:
 
     token_data = property(lambda self: self.ps.token_data)
     evictions = property(lambda self: self.ps.evictions)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each buffer the request keeps for its policy (TRACK_BUFFERS), read from the arrays."""
+        seen: set = set()
+        return {"queries": held_bytes(self.queries, seen), **self.ps.buffer_bytes(seen)}
 
     def fork(self) -> "Track":
         return copy.deepcopy(self)
