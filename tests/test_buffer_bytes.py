@@ -214,8 +214,8 @@ def cb_internals():
 def test_paged_server_stats_count_every_array_of_every_request(tiny, cb_internals, monkeypatch):
     """The transformers server's `/stats` (serving_stats): at every point it sums the requests' buffers, the sum is
     every array the requests' tracks hold, recounted (Seg-Q: its query window, its scores and positions, its state);
-    the peak is the most of those sums, kind by kind and in all. Mutant: Track.buffer_bytes leaving the query window
-    out."""
+    the peak is the most of those sums, kind by kind and in all. Mutants: Track.buffer_bytes leaving the query window
+    out; a track's figures not refreshed after its eviction."""
     from epikv.serving import ServeSpec, run_batch
     from epikv.serving.evictor import TRACK_BUFFERS
     from epikv.serving.scheduler import Runtime

@@ -37,13 +37,13 @@ BUFFER_KINDS = ("mirror", "waiting_hidden", "waiting_kv", "queries", "token_data
 def held_bytes(obj, seen: set | None = None, skip_private: bool = False, _depth: int = 0) -> int:
     """Bytes the tensors and arrays in `obj` hold (dicts, lists, tuples and plain objects' attributes walked),
     each storage counted once across calls sharing `seen`; skip_private: leave out dict keys and attributes that
-    start with "_". A torch tensor counts its storage, a numpy array its base array (a view holds all of it)."""
-    seen = set() if seen is None else seen
-    if obj is None or isinstance(obj, (int, float, bool, str, bytes)) or _depth > 6:
-        return 0
+    start with "_". A torch tensor counts its storage, a numpy array its base array (a view holds all of it).
+    Called every step by the engines: tensors first, and no generator (a few microseconds a tensor)."""
+    if seen is None:
+        seen = set()
     if isinstance(obj, torch.Tensor):
         st = obj.untyped_storage()
-        key = ("t", obj.device, st.data_ptr())
+        key = (obj.is_cuda, st.data_ptr())  # (an accelerator's addresses apart from the host's)
         if key in seen:
             return 0
         seen.add(key)
@@ -51,7 +51,7 @@ def held_bytes(obj, seen: set | None = None, skip_private: bool = False, _depth:
     if isinstance(obj, np.ndarray):
         while isinstance(obj.base, np.ndarray):
             obj = obj.base
-        key = ("n", obj.__array_interface__["data"][0])
+        key = (False, obj.__array_interface__["data"][0])
         if key in seen:
             return 0
         seen.add(key)
@@ -60,12 +60,18 @@ def held_bytes(obj, seen: set | None = None, skip_private: bool = False, _depth:
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        items = vars(obj).items()
-    else:
+    elif obj is None or isinstance(obj, (int, float, str, bytes, type)) or not hasattr(obj, "__dict__"):
         return 0
-    return sum(held_bytes(v, seen, skip_private, _depth + 1) for k, v in items
-               if not (skip_private and isinstance(k, str) and k.startswith("_")))
+    else:
+        items = vars(obj).items()
+    if _depth > 6:
+        return 0
+    n = 0
+    for k, v in items:
+        if v is None or (skip_private and isinstance(k, str) and k.startswith("_")):
+            continue
+        n += held_bytes(v, seen, skip_private, _depth + 1)
+    return n
 
 
 class BufferBytes:

@@ -46,6 +46,7 @@ class Track:
         # (a rolling window across forwards and evictions, as the torch cache keeps it)
         self.queries: dict[int, torch.Tensor] = {}
         self.n_layers, self.w = n_layers, policy.observes(n_layers).queries
+        self.bytes = self.buffer_bytes()  # as of its last change (observe, evict): the scheduler sums these
 
     token_data = property(lambda self: self.ps.token_data)
     evictions = property(lambda self: self.ps.evictions)
@@ -77,6 +78,7 @@ class Track:
         self.ps.observe(hidden=hidden, valid=valid, positions=pos, n_old=n_old, kv_heads=kv.kv_heads, keys=keys,
                         values=values)
         self.scored = n_old + t
+        self.bytes = self.buffer_bytes()
 
     # -- between steps ---------------------------------------------------------------------------------------------
     def due(self, policy: Policy, n: int, budget: int) -> bool:
@@ -114,6 +116,7 @@ class Track:
         self.ps.select(keep, m)
         self.evicted += n - m
         self.scored = m
+        self.bytes = self.buffer_bytes()
         return freed
 
 

@@ -179,7 +179,7 @@ class Runtime:
 
     def note_buffers(self) -> None:
         """Sum every request's buffers now (generation thread) and raise the peak (/stats reads both)."""
-        per = [tr.buffer_bytes() for tr in list(self.tracks.values())]
+        per = [tr.bytes for tr in list(self.tracks.values())]
         now = {k: sum(b[k] for b in per) for k in TRACK_BUFFERS}
         now["total"] = sum(now.values())
         with self.lock:
