@@ -11,6 +11,12 @@ attention, the machine's load before it, the CPU model and SIMD flags, `llama-se
 server's peak RSS (VmHWM), its KV cells and bytes, tokens/s over the run and per quarter of its tokens, and time to
 first token. Resumable: a (length, row, flash attention, repeat) already in results.jsonl is skipped.
 
+KV bytes: llama-server's are its cells (it keeps nothing else per sequence). epikv's are its cells plus every buffer
+its sequences keep for the policy, as the server measured them on its arrays at every step (`/stats`'
+kv_bytes_with_buffers_peak: the most held at once of the key/value mirror, the rows waiting for their statistic, the
+query window, the scores and the policy's state, by kind in buffer_peak_bytes); rows of this version say so
+("kv_counts": "cells+buffers"). Older files counted the mirror alone (polled once a second), and render as such.
+
 The summary gives each ratio to llama-server (and to `--context-shift` at equal cells) as the median of the ratios
 paired by repeat (each row over the llama-server row of its own repeat) with a 95 % t interval over the logs of those
 per-repeat ratios (`interval95`: ratios multiply, so their logs are the scale on which a mean and a symmetric
@@ -60,6 +66,7 @@ THREADS = 2
 FLASH = ("off", "on", "auto")
 SHIFT_AT = "llama-server-shift@"
 SCHEMA = 2  # rows with per-row flash attention, equal-cell context-shift rows and 95 % intervals in the summary
+KV_COUNTS = "cells+buffers"  # an epikv row's KV bytes: its cells and every buffer (older rows: cells and the mirror)
 # t(0.975, df) for df = 1..30; past 30, the Cornish-Fisher expansion below is within 0.001 of it
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -239,10 +246,10 @@ def run_row(spec: dict, tokens: int, logdir: Path, tag: str) -> dict:
                   "--requests", str(SEQUENCES), "--concurrency", str(SEQUENCES), "--max-prompt-tokens",
                   str(PROMPT_TOKENS), "--threads", str(THREADS), "--timeout", "7200", "--max-tokens", str(tokens),
                   "--policies", "full", "--url", url, "--label", spec["label"], "--out", str(out)]
-        peaks = {"kv_mirror_bytes": 0, "cells_in_use": 0}
+        peaks = {"cells_in_use": 0}
         stop = threading.Event()
 
-        def poll():  # epikv's mirror and cells in use are figures of the running sequences: their peaks
+        def poll():  # epikv's cells in use are a figure of the running sequences: its peak
             while spec["server"] == "epikv" and not stop.wait(1.0):
                 try:
                     with urllib.request.urlopen(url + "/stats", timeout=5) as s:
@@ -286,13 +293,23 @@ def run_row(spec: dict, tokens: int, logdir: Path, tag: str) -> dict:
         row.update({"cells_per_sequence": spec["cells_per_sequence"], **kv_of_llama_server(text)})
     else:
         eng = (stats or {}).get("engine") or {}
-        kv, mirror = eng.get("kv_bytes") or 0, peaks["kv_mirror_bytes"]
-        row.update(kv_mib=round((kv + mirror) / 2**20, 1), kv_cells_mib=round(kv / 2**20, 1),
-                   kv_mirror_peak_mib=round(mirror / 2**20, 1), peak_cells_in_use=peaks["cells_in_use"],
+        row.update(**epikv_kv(eng), peak_cells_in_use=peaks["cells_in_use"],
                    cells=eng.get("cells_allocated"),
                    cells_per_sequence=eng.get("stream_cells"), evictions=eng.get("evictions"),
                    llama_cpp=(stats or {}).get("server", {}).get("llama_cpp"))
     return row
+
+
+def epikv_kv(eng: dict) -> dict:
+    """An epikv row's KV figures from its server's final `/stats` ("engine"): kv_mib the cells' bytes plus the most
+    its sequences' buffers held at once (kv_bytes_with_buffers_peak), with the parts (cells, buffers, by kind)."""
+    buffers = eng.get("buffer_peak_bytes")
+    if not buffers or eng.get("kv_bytes_with_buffers_peak") is None:
+        raise RuntimeError("epikv's /stats gives no buffer_peak_bytes / kv_bytes_with_buffers_peak")
+    kv = eng.get("kv_bytes") or 0
+    return {"kv_mib": round(eng["kv_bytes_with_buffers_peak"] / 2**20, 1), "kv_cells_mib": round(kv / 2**20, 1),
+            "kv_buffers_peak_mib": round(buffers["total"] / 2**20, 1), "kv_buffer_peak_bytes": buffers,
+            "kv_mirror_peak_mib": round(buffers.get("mirror", 0) / 2**20, 1), "kv_counts": KV_COUNTS}
 
 
 def quarters(by_second: list[int]) -> list[float | None]:
@@ -430,11 +447,29 @@ def medians(rows: list[dict]) -> dict[int, dict[str, dict]]:
                              for i in range(min(len(r["quarters"]) for r in mine))],
                 "ttft": [r["ttft_p50_s"] for r in mine if r["ttft_p50_s"] is not None],
                 "rss": [r["peak_rss_mib"] for r in mine if r["peak_rss_mib"]],
-                "kv_mib": max((r["kv_mib"] or 0) for r in mine) or None,
+                "kv_mib": max((r["kv_mib"] or 0) for r in mine) or None, "kv_counts": kv_counts(mine),
                 "kv_fraction": (max((r["kv_mib"] or 0) for r in mine) / ref_kv) if ref_kv else None,
                 "cells_per_sequence": mine[0]["cells_per_sequence"],
                 "generated": [r["generated_tokens"] for r in mine], "load": max(r["load_before"][0] for r in mine)}
     return out
+
+
+def kv_counts(rows: list[dict]) -> str:
+    """What a row's KV bytes count: "cells" (llama-server), "cells+buffers" (epikv, every buffer: this version),
+    "cells+mirror" (epikv rows of older files), "mixed" where its repeats differ."""
+    got = {"cells" if r["server"] == "llama-server" else r.get("kv_counts", "cells+mirror") for r in rows}
+    return got.pop() if len(got) == 1 else "mixed"
+
+
+def kv_head(rows: list[dict]) -> str:
+    """The KV column's head: what the epikv rows' bytes count (older files: the mirror; this version: every buffer;
+    a file with both marks this version's with *)."""
+    got = {kv_counts([r]) for r in rows if r["server"] == "epikv"}
+    if got <= {"cells+mirror"}:
+        return "KV MiB (cells + mirror)"
+    if got == {KV_COUNTS}:
+        return "KV MiB (cells + every buffer)"
+    return "KV MiB (cells + mirror; * cells + every buffer)"
 
 
 def _pair_quarters(mine: list[dict], base: list[dict]) -> tuple[list, list]:
@@ -463,25 +498,27 @@ def tables(rows: list[dict]) -> str:
              f"{', '.join(sorted({r['epikv_commit'] for r in rows}))}; flash attention {rows[0]['flash_attn']} and "
              f"F16 K/V on both; {rows[0]['threads']} threads; {rows[0]['sequences']} requests at once.", ""]
     for tokens, per in medians(rows).items():
+        head = kv_head([r for r in rows if r["tokens"] == tokens])
         lines += [f"{SEQUENCES} x {tokens:,} tokens | repeats | tok/s: median (min-max) | x llama-server (paired) | "
                   "tok/s per quarter of the tokens | first quarter x llama-server | TTFT p50 (s) | peak RSS (MiB) | "
-                  "KV MiB (cells + mirror) | x llama-server's KV | cells a sequence | tokens generated | "
-                  "max load before",
+                  f"{head} | x llama-server's KV | cells a sequence | tokens generated | max load before",
                   "|".join(["---"] * 13)]
         for name, m in per.items():
             base = name == "llama-server"
             lines.append(" | ".join([
                 m["label"], str(m["repeats"]), _fmt(m["rates"]), "1" if base else _fmt(m["ratios"], 2),
-                *_row_tail(m, base)]))
+                *_row_tail(m, base, "*" in head)]))
         lines.append("")
     return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
 
 
-def _row_tail(m: dict, base: bool) -> list[str]:
-    """The columns both table layouts end with: quarters, first quarter's ratio, TTFT, RSS, KV, cells, tokens, load."""
+def _row_tail(m: dict, base: bool, mark: bool = False) -> list[str]:
+    """The columns both table layouts end with: quarters, first quarter's ratio, TTFT, RSS, KV, cells, tokens, load.
+    mark: star the KV of a row that counts every buffer (a file mixing those with older rows)."""
     gen = m["generated"]
+    star = "*" if mark and m["kv_counts"] == KV_COUNTS else ""
     return [", ".join(f"{q:.1f}" for q in m["quarters"]), "1" if base else _fmt(m["q1_ratios"], 2),
-            _fmt(m["ttft"], 2), _fmt(m["rss"], 0), f"{m['kv_mib']:.1f}" if m["kv_mib"] else "-",
+            _fmt(m["ttft"], 2), _fmt(m["rss"], 0), (f"{m['kv_mib']:.1f}" + star) if m["kv_mib"] else "-",
             f"{m['kv_fraction']:.2f}" if m["kv_fraction"] is not None else "-", f"{m['cells_per_sequence']:,}",
             f"{min(gen):,}" + ("" if min(gen) == max(gen) else f"-{max(gen):,}"), f"{m['load']:.2f}"]
 
@@ -497,9 +534,10 @@ def _tables_v2(rows: list[dict]) -> str:
              f"its row on both; {rows[0]['threads']} threads; {rows[0]['sequences']} requests at once. Ratios: the median of the "
              "ratios paired by repeat [their 95 % t interval, on the logs of the per-repeat ratios].", ""]
     for tokens, per in medians(rows).items():
+        head = kv_head([r for r in rows if r["tokens"] == tokens])
         lines += [f"{SEQUENCES} x {tokens:,} tokens | flash attention | repeats | tok/s: median (min-max) | "
                   "x llama-server [95 %] | x context shift at equal cells [95 %] | tok/s per quarter of the tokens | "
-                  "first quarter x llama-server | TTFT p50 (s) | peak RSS (MiB) | KV MiB (cells + mirror) | "
+                  f"first quarter x llama-server | TTFT p50 (s) | peak RSS (MiB) | {head} | "
                   "x llama-server's KV | cells a sequence | tokens generated | max load before",
                   "|".join(["---"] * 15)]
         for name, m in per.items():
@@ -507,7 +545,7 @@ def _tables_v2(rows: list[dict]) -> str:
             lines.append(" | ".join([
                 m["label"], m["flash_attn"], str(m["repeats"]), _fmt(m["rates"]),
                 "1" if base else _ratio_ci(m["ratios"], m["ci"]), _ratio_ci(m["shift_ratios"], m["shift_ci"]),
-                *_row_tail(m, base)]))
+                *_row_tail(m, base, "*" in head)]))
         lines.append("")
     return "\n".join("| " + x + " |" if x and not x.startswith(("CPU", "|")) else x for x in lines).strip()
 
@@ -531,8 +569,10 @@ def goals(rows: list[dict]) -> list[str]:
         if v is None:
             continue
         ok = v >= bound if at_least else v <= bound
+        counted = {KV_COUNTS: "cells + every buffer", "mixed": "cells + mirror or every buffer"}.get(
+            m["kv_counts"], "cells + mirror")
         say = {"ratio": "x llama-server's tokens/s over the run", "q1": "x llama-server's in the first quarter",
-               "kv": " of llama-server's KV bytes (cells + mirror)"}[what]
+               "kv": f" of llama-server's KV bytes ({counted})"}[what]
         out.append(f"{SEQUENCES} x {tokens:,}, {m['label']}: {v:.2f}{say} (goal {'>=' if at_least else '<='} "
                    f"{bound:g}: {'met' if ok else 'missed'})")
     return out

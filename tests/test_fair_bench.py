@@ -216,3 +216,37 @@ def test_render_shows_the_interval_for_new_rows_and_older_files_as_before(tmp_pa
     monkeypatch.setattr(render, "source_line", lambda files, command: "")  # (it asks git for the file's date)
     assert "| 2.00 [0.36-11.19] |" in render._fair_block("new.jsonl", "cmd")
     assert f"{seg} 2.00x [95 %: 0.36-11.19]" in render._fair_headline(rows)[1]
+
+
+def test_epikv_rows_kv_is_the_cells_and_every_buffer_the_server_measured(fair):
+    """An epikv row's KV bytes are its server's cells plus the most its sequences' buffers held at once, as /stats
+    reports them (kv_bytes_with_buffers_peak: the mirror, the rows waiting for their statistic, the queries, the
+    scores, the state), not the mirror alone; a /stats without them is refused. Mutant: kv_mib from the cells and
+    the mirror (the old count)."""
+    mib = 2**20
+    peak = {"mirror": 1 * mib, "waiting_hidden": 0, "waiting_kv": 3 * mib, "queries": mib // 4, "token_data": mib // 4,
+            "policy_state": 0, "total": 4 * mib + mib // 2}
+    eng = {"kv_bytes": 10 * mib, "buffer_peak_bytes": peak, "kv_bytes_with_buffers_peak": 10 * mib + peak["total"]}
+    kv = fair.epikv_kv(eng)
+    assert (kv["kv_mib"], kv["kv_cells_mib"], kv["kv_buffers_peak_mib"], kv["kv_mirror_peak_mib"]) == \
+        (14.5, 10.0, 4.5, 1.0)
+    assert kv["kv_counts"] == "cells+buffers" and kv["kv_buffer_peak_bytes"] == peak
+    with pytest.raises(RuntimeError, match="buffer_peak_bytes"):
+        fair.epikv_kv({"kv_bytes": 10 * mib, "kv_mirror_bytes": mib})
+
+
+def test_tables_and_goals_say_what_the_kv_bytes_count(fair):
+    """Rows of this version (kv_counts "cells+buffers") head their KV column "cells + every buffer" and their KV goal
+    says so; an older file's rows (no kv_counts: the mirror alone) keep "cells + mirror"; a file with both stars the
+    new rows. Mutant: kv_head without the rows' kv_counts (always "cells + mirror")."""
+    long = [{**_row("llama-server", 0, 50.0, 50.0, "llama-server"), "tokens": 4096, "kv_mib": 100.0},
+            {**_row("epikv-seg-q:512", 0, 99.0, 60.0), "tokens": 4096, "kv_mib": 26.0}]
+    new = [dict(r, kv_counts="cells+buffers") if r["server"] == "epikv" else r for r in long]
+    assert "KV MiB (cells + every buffer)" in fair.tables(new) and "cells + mirror" not in fair.tables(new)
+    assert fair.goals(new)[-1].endswith("0.26 of llama-server's KV bytes (cells + every buffer) (goal <= 0.25: missed)")
+    assert "KV MiB (cells + mirror)" in fair.tables(long) and "every buffer" not in fair.tables(long)
+    both = long + [{**new[1], "row": "epikv-seg-q:256", "label": "seg256", "kv_mib": 20.0}]
+    table = fair.tables(both)
+    assert "KV MiB (cells + mirror; * cells + every buffer)" in table
+    assert "| 20.0* |" in next(x for x in table.splitlines() if x.startswith("| seg256 "))
+    assert "| 26.0 |" in next(x for x in table.splitlines() if x.startswith("| epikv-seg-q:512 "))

@@ -24,8 +24,12 @@ from .hooks import (_after_stack_hook, _attention_hook, _before_stack_hook, _che
                     _hidden_hook, _install_hook, _query_hook, attention_layout, cache_kwarg, decoder_layers,
                     rope_frequencies)
 from .policies import DEFAULT_POLICY, CacheView, Policy, get_policy
-from .policy_state import PolicyState
+from .policy_state import BufferBytes, PolicyState, held_bytes
 from .signals import model_depth
+
+
+# the buffers the torch cache keeps for its policy besides the keys and values (policy_state.BUFFER_KINDS)
+CACHE_BUFFERS = ("queries", "token_data", "policy_state", "slot_map")
 
 
 class EpiKVCache(Cache):
@@ -142,6 +146,9 @@ class EpiKVCache(Cache):
         self.max_tokens = 0
         self._stored_after_step = 0
         self._hold = False  # eviction deferred to the end of a multi-token feed split into single tokens
+        # the buffers kept for the policy besides the keys and values (policy_state.BUFFER_KINDS), the whole batch's:
+        # now, and at the most (after a forward has scored its tokens, before its eviction)
+        self.buffers = BufferBytes(CACHE_BUFFERS)
 
     # the policy's side lives in self.ps (policy_state.PolicyState); these names are the cache's public face
     state = property(lambda self: self.ps.state, lambda self, v: setattr(self.ps, "state", v))
@@ -199,6 +206,7 @@ class EpiKVCache(Cache):
         leaves stored."""
         if self.ps.due(self.layers[self._ref].length):
             self.evict()
+            self.buffers.note(self.buffer_bytes())
         self._stored_after_step = self.layers[self._ref].length
         self.max_tokens = max(self.max_tokens, self._stored_after_step)
 
@@ -332,6 +340,7 @@ class EpiKVCache(Cache):
             self._pad_slots = torch.cat([self._pad_slots, ~valid], dim=1)
         self._hidden, self._attn = {}, {}
         self.seen += valid.sum(-1)
+        self.buffers.note(self.buffer_bytes())
         self._stored_after_step = self.layers[self._ref].length
         if not self._hold:
             self._end_step()
@@ -498,6 +507,14 @@ class EpiKVCache(Cache):
             self._query_valid = self._query_valid.index_select(0, idx)
         self.state = select_state_rows(self.state, idx, batch)
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each buffer kept for the policy (CACHE_BUFFERS), over the batch, read from the arrays."""
+        seen: set = set()
+        return {"queries": held_bytes([self._queries, self._query_valid], seen),
+                "slot_map": held_bytes([self._phys, self._pad_slots, self.seen], seen), **self.ps.buffer_bytes(seen)}
+
     def stats(self) -> dict[str, Any]:
+        """max_cache_tokens, final_cache_tokens, evictions, and the policy's buffers by kind now and at the most
+        (buffer_bytes, buffer_peak_bytes)."""
         return {"max_cache_tokens": self.max_tokens, "final_cache_tokens": self.layers[self._ref].length,
-                "evictions": self.evictions}
+                "evictions": self.evictions, **self.buffers.report()}

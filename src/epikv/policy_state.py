@@ -13,9 +13,97 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .policies import CacheView, Policy, StepObservation
+
+# The per-sequence buffers an engine keeps for its policy besides the cached tokens themselves, by kind (each engine
+# reports the kinds it has; "total" is their sum). Bytes are what the arrays' memory holds (a view counts its whole
+# storage, a storage shared by two of them once), read from the arrays, not planned:
+#   mirror          llama.cpp: the cached keys / values the keep rule reads, copied out of llama.cpp (allocated rows)
+#   waiting_hidden  llama.cpp: hidden-state rows of tokens not yet scored (the deferred scoring's chunk)
+#   waiting_kv      llama.cpp: keys / values of tokens waiting for their statistic (taken on arrival)
+#   queries         the window of the newest w rotated queries (and, in the torch engine, its validity mask)
+#   token_data      the policy's per-token data: its scores and the true positions, one entry per cached token
+#   policy_state    the policy's own state (hidden-state deltas, rolling-statistic windows, ...) except the entries
+#                   the rows contract marks shared with "_" (a learned policy's weights: held once, not per sequence),
+#                   and the prompt's bookkeeping (PolicyState's n_pad, n_protect, n_prompt)
+#   slot_map        the torch engine's physical slot of each token and padding map (once eviction refilled holes)
+#                   and its tokens seen
+BUFFER_KINDS = ("mirror", "waiting_hidden", "waiting_kv", "queries", "token_data", "policy_state", "slot_map")
+
+
+def held_bytes(obj, seen: set | None = None, skip_private: bool = False, _depth: int = 0) -> int:
+    """Bytes the tensors and arrays in `obj` hold (dicts, lists, tuples and plain objects' attributes walked),
+    each storage counted once across calls sharing `seen`; skip_private: leave out dict keys and attributes that
+    start with "_". A torch tensor counts its storage, a numpy array its base array (a view holds all of it).
+    Called every step by the engines: tensors first, and no generator (a few microseconds a tensor)."""
+    if seen is None:
+        seen = set()
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        key = (obj.is_cuda, st.data_ptr())  # (an accelerator's addresses apart from the host's)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return st.nbytes()
+    if isinstance(obj, np.ndarray):
+        while isinstance(obj.base, np.ndarray):
+            obj = obj.base
+        key = (False, obj.__array_interface__["data"][0])
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.nbytes
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif obj is None or isinstance(obj, (int, float, str, bytes, type)) or not hasattr(obj, "__dict__"):
+        return 0
+    else:
+        items = vars(obj).items()
+    if _depth > 6:
+        return 0
+    n = 0
+    for k, v in items:
+        if v is None or (skip_private and isinstance(k, str) and k.startswith("_")):
+            continue
+        n += held_bytes(v, seen, skip_private, _depth + 1)
+    return n
+
+
+class BufferBytes:
+    """The bytes of one owner's buffers by kind (`note`: the figures now), and the most held: per kind its own
+    maximum, and "total" the largest sum at any one moment noted (so at most the sum of the kinds' maxima).
+    `window` holds the same maxima since the last `take_window` (a server sums its sequences' windows)."""
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        self.kinds = kinds
+        self.now = self._zero()
+        self.peak = self._zero()
+        self.window = self._zero()
+
+    def _zero(self) -> dict[str, int]:
+        return dict.fromkeys((*self.kinds, "total"), 0)
+
+    def note(self, now: dict[str, int]) -> None:
+        now = {k: int(now.get(k, 0)) for k in self.kinds}
+        now["total"] = sum(now.values())
+        self.now = now
+        for d in (self.peak, self.window):
+            for k, v in now.items():
+                if v > d[k]:
+                    d[k] = v
+
+    def take_window(self) -> dict[str, int]:
+        """The maxima since the last call (at least what is held now), and a fresh window from now."""
+        w, self.window = self.window, dict(self.now)
+        return w
+
+    def report(self) -> dict[str, dict[str, int]]:
+        return {"buffer_bytes": dict(self.now), "buffer_peak_bytes": dict(self.peak)}
 
 
 class PolicyState:
@@ -66,6 +154,13 @@ class PolicyState:
             if key in self.token_data and x.shape[-1] != n:  # new tokens only: append
                 x = torch.cat([self.token_data[key], x], dim=-1)
             self.token_data[key] = x
+
+    def buffer_bytes(self, seen: set | None = None) -> dict[str, int]:
+        """Bytes of the per-token data (scores, positions) and of the policy's own state (BUFFER_KINDS)."""
+        seen = set() if seen is None else seen
+        return {"token_data": held_bytes(self.token_data, seen),
+                "policy_state": held_bytes(self.state, seen, skip_private=True)
+                + held_bytes([self.n_pad, self.n_protect, self.n_prompt], seen)}
 
     def due(self, n: int) -> bool:
         """Whether the policy evicts now, with n tokens stored (its schedule: by default over budget + tau - 1)."""

@@ -121,9 +121,11 @@ def run(args) -> int:
     if layers:
         summary["layers"] = layers
     # llama.cpp: its KV cache and epikv's key/value mirror (issue 39), its threads and flash-attention setting, the
-    # cells' types and the sequence's peak KV bytes (cells as stored + the policy's buffers: issue 56)
+    # cells' types and the sequence's peak KV bytes (cells as stored + the policy's buffers: issue 56); either engine:
+    # every buffer kept for the policy by kind, at the end and at the most (issue 58)
     for key in ("kv_bytes", "kv_mirror_bytes", "threads", "flash_attn", "cache_type_k", "cache_type_v",
-                "kv_peak_bytes", "kv_peak_cells", "kv_peak_cell_bytes", "kv_peak_buffer_bytes"):
+                "kv_peak_bytes", "kv_peak_cells", "kv_peak_cell_bytes", "kv_peak_buffer_bytes", "buffer_bytes",
+                "buffer_peak_bytes"):
         if st.get(key) is not None:
             summary[key] = st[key]
     if args.json:

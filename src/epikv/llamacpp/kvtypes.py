@@ -13,6 +13,9 @@ Byte accounting (what `peak_kv_bytes` reports, per sequence):
   float32, up to the recent window for the hidden-state policies; the arriving keys / values of the step for the
   policies that take a statistic on arrival) and the query window. Allocation is not counted: llama.cpp allocates
   the context's n_ctx cells (rounded up to 256: `kv_bytes`), which the pool of a server shares.
+- every buffer as allocated (SequenceCache.buffer_bytes, reported beside the peak as buffer_bytes /
+  buffer_peak_bytes): the same buffers read from their arrays (the mirror's allocated rows, views counting their
+  whole storage) and the policy's per-token scores and state, which the plan leaves out (a few bytes a token).
 """
 
 from __future__ import annotations

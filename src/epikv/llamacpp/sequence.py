@@ -28,12 +28,16 @@ import torch
 
 from ..errors import EpiKVError
 from ..policies import CacheView, Policy
-from ..policy_state import PolicyState
+from ..policy_state import BufferBytes, PolicyState, held_bytes
 from ..signals import check_layers
 from ..policies.hidden import HiddenStatePolicy
 from . import lib
 from .capture import LayerRows
 from .model import GGUFModel
+
+
+# the buffers a llama.cpp sequence keeps for its policy (policy_state.BUFFER_KINDS)
+SEQUENCE_BUFFERS = ("mirror", "waiting_hidden", "waiting_kv", "queries", "token_data", "policy_state")
 
 
 def kv_plan(obs, n_layers: int) -> dict[str, list[int]]:
@@ -109,7 +113,11 @@ class SequenceCache:
         # peak KV bytes (kvtypes): the cells as llama.cpp stores them and the policy's buffers, at the moment of the
         # most bytes (after a decode, before the eviction that follows it)
         self.cell_bytes = cell_bytes
-        self._pending_bytes = 0  # bytes of _rows and _arriving
+        # every buffer this sequence keeps for its policy, allocated bytes by kind (policy_state.BUFFER_KINDS), now
+        # and at the most: noted after each decode (before its scoring and eviction), after a flush and an eviction;
+        # _rows and _arriving are counted as they grow (their lists are long), the rest read from the arrays
+        self.buffers = BufferBytes(SEQUENCE_BUFFERS)
+        self._hidden_bytes = self._arriving_bytes = 0  # bytes of _rows, of _arriving
         self.peak: dict[str, int] = {"bytes": 0, "cells": 0, "cell_bytes": 0, "mirror_bytes": 0, "pending_bytes": 0,
                                      "query_bytes": 0}  # at the moment of the most bytes
         self.max_cells = 0  # the most cells held at once (after a decode, before its eviction)
@@ -146,6 +154,7 @@ class SequenceCache:
             raise EpiKVError(why)
         self.n_prompt = n_prompt
         (self.n_protect,) = self.ps.begin([n_prompt], None, self.gm.depth)
+        self._note_buffers()  # the policy's fresh state
 
     def attend(self, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
         """Before `record` of the same t tokens, for the policies that read queries, keys or values: attn = "q" /
@@ -167,14 +176,17 @@ class SequenceCache:
         self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
         if rows is not None:
             self._rows.append({blk: r.copy() for blk, r in rows.items()})  # [T, dim] each
-            self._pending_bytes += sum(r.nbytes for r in rows.values())
+            self._hidden_bytes += sum(r.nbytes for r in rows.values())
         self._unscored += t
         self.seen += t
         self._note_peak()
+        self._note_buffers()
         if self._unscored >= self._score_every:
             self.flush()
+            self._note_buffers()
         if self.ps.due(self.stored()):
             self.evict()
+            self._note_buffers()
         self.max_tokens = max(self.max_tokens, self.stored())  # after the step, as the torch engine counts
 
     @property
@@ -190,19 +202,36 @@ class SequenceCache:
         kv = self._kv
         mirror = 0 if kv is None else n * (kv.numel() // kv.shape[3]) * kv.element_size()
         queries = sum(q.numel() * q.element_size() for q in self._queries.values())
-        total = n * self.cell_bytes + mirror + self._pending_bytes + queries
+        pending = self._hidden_bytes + self._arriving_bytes  # the rows waiting to be scored
+        total = n * self.cell_bytes + mirror + pending + queries
         self.max_cells = max(self.max_cells, n)
         if total > self.peak["bytes"]:
             self.peak = {"bytes": total, "cells": n, "cell_bytes": n * self.cell_bytes, "mirror_bytes": mirror,
-                         "pending_bytes": self._pending_bytes, "query_bytes": queries}
+                         "pending_bytes": pending, "query_bytes": queries}
+
+    def buffer_bytes(self, fresh: bool = False) -> dict[str, int]:
+        """Bytes of each buffer this sequence keeps for its policy (SEQUENCE_BUFFERS), read from the arrays; the
+        waiting rows from their running counts unless `fresh` (then summed over the lists: what the tests compare
+        the counts with)."""
+        seen: set = set()
+        if fresh:
+            hidden, arriving = held_bytes(self._rows, seen), held_bytes(self._arriving, seen)
+        else:
+            hidden, arriving = self._hidden_bytes, self._arriving_bytes
+        return {"mirror": held_bytes(self._kv, seen), "waiting_hidden": hidden, "waiting_kv": arriving,
+                "queries": held_bytes(self._queries, seen), **self.ps.buffer_bytes(seen)}
+
+    def _note_buffers(self) -> None:
+        self.buffers.note(self.buffer_bytes())
 
     def peak_report(self) -> dict:
         """The peak as reports carry it: kv_peak_bytes (cells + buffers) and its parts at that moment, and the most
         cells held at any moment (kv_peak_cells: K + tau for the default schedule; the byte peak may fall a step
-        earlier, when more rows wait to be scored)."""
+        earlier, when more rows wait to be scored). These count the rows in use, as --kv-memory plans them; with
+        them, buffer_bytes / buffer_peak_bytes: every buffer's allocated bytes by kind, now and at the most."""
         p = self.peak
-        return {"kv_peak_bytes": p["bytes"], "kv_peak_cells": self.max_cells, "kv_peak_cell_bytes": p["cell_bytes"],
-                "kv_peak_buffer_bytes": p["bytes"] - p["cell_bytes"], "kv_peak_mirror_bytes": p["mirror_bytes"],
+        return {**self.buffers.report(), "kv_peak_bytes": p["bytes"], "kv_peak_cells": self.max_cells,
+                "kv_peak_cell_bytes": p["cell_bytes"], "kv_peak_buffer_bytes": p["bytes"] - p["cell_bytes"], "kv_peak_mirror_bytes": p["mirror_bytes"],
                 "kv_peak_pending_bytes": p["pending_bytes"], "kv_peak_query_bytes": p["query_bytes"]}
 
     state = property(lambda self: self.ps.state)
@@ -213,8 +242,10 @@ class SequenceCache:
     def drop(self) -> None:
         """Remove every cell of the sequence (finished, failed, cancelled or preempted) and forget the mirror."""
         self._ll.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
-        self.token_data, self._rows, self._unscored, self._pending_bytes = {}, [], 0, 0
+        self.token_data, self._rows, self._unscored = {}, [], 0
         self._kv, self._kv_np, self._arriving, self._queries = None, None, [], {}
+        self._hidden_bytes = self._arriving_bytes = 0
+        self.buffers.note({})
 
     # -- keys, values and queries -------------------------------------------------------------------------------------
     def _take_attn(self, n_old: int, t: int, attn: dict[str, dict[int, np.ndarray]]) -> None:
@@ -235,7 +266,7 @@ class SequenceCache:
                 self._kv_np[p, :, :, n_old : n_old + t] = _layers(attn[kind], layers).transpose(0, 2, 1, 3)
         if self._arriving_kv:
             self._arriving.append({kind: _layers(attn[kind], self.kv_layers, copy=True) for kind in self.kv_parts})
-            self._pending_bytes += sum(a.nbytes for a in self._arriving[-1].values())
+            self._arriving_bytes += sum(a.nbytes for a in self._arriving[-1].values())
         w = self._n_queries
         for l in self.query_layers:
             q = torch.from_numpy(attn["q"][l][-w:].copy()).transpose(0, 1)[None]  # [1, heads, <= w, dim]
@@ -344,7 +375,8 @@ class SequenceCache:
         self.ps.observe(hidden=hidden, valid=torch.ones(1, u, dtype=torch.bool), positions=pos, n_old=n - u,
                         kv_heads=self.gm.n_head_kv, keys=keys, values=values, stored=stored,
                         record_positions=False)
-        self._rows, self._unscored, self._arriving, self._pending_bytes = [], 0, [], 0
+        self._rows, self._unscored, self._arriving = [], 0, []
+        self._hidden_bytes = self._arriving_bytes = 0
 
     # -- eviction -----------------------------------------------------------------------------------------------------
     def view(self) -> CacheView:

@@ -14,7 +14,11 @@ import torch
 
 from ..errors import EpiKVError
 from ..policies import Policy
-from ..policy_state import PolicyState
+from ..policy_state import PolicyState, held_bytes
+
+# the buffers a request keeps for its policy in the paged cache (policy_state.BUFFER_KINDS): its keys and values are
+# read from its pages when needed, never copied, and its hidden states live for one forward only
+TRACK_BUFFERS = ("queries", "token_data", "policy_state")
 
 
 def _kv_rows(lay, request_id: str, start: int, stop: int, layers) -> tuple[list, list]:
@@ -42,9 +46,15 @@ class Track:
         # (a rolling window across forwards and evictions, as the torch cache keeps it)
         self.queries: dict[int, torch.Tensor] = {}
         self.n_layers, self.w = n_layers, policy.observes(n_layers).queries
+        self.bytes = self.buffer_bytes()  # as of its last change (observe, evict): the scheduler sums these
 
     token_data = property(lambda self: self.ps.token_data)
     evictions = property(lambda self: self.ps.evictions)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each buffer the request keeps for its policy (TRACK_BUFFERS), read from the arrays."""
+        seen: set = set()
+        return {"queries": held_bytes(self.queries, seen), **self.ps.buffer_bytes(seen)}
 
     def fork(self) -> "Track":
         return copy.deepcopy(self)
@@ -68,6 +78,7 @@ class Track:
         self.ps.observe(hidden=hidden, valid=valid, positions=pos, n_old=n_old, kv_heads=kv.kv_heads, keys=keys,
                         values=values)
         self.scored = n_old + t
+        self.bytes = self.buffer_bytes()
 
     # -- between steps ---------------------------------------------------------------------------------------------
     def due(self, policy: Policy, n: int, budget: int) -> bool:
@@ -105,6 +116,7 @@ class Track:
         self.ps.select(keep, m)
         self.evicted += n - m
         self.scored = m
+        self.bytes = self.buffer_bytes()
         return freed
 
 

@@ -49,7 +49,7 @@ from ..policies import DEFAULT_POLICY
 from ..llamacpp.engine import all_outputs, attn_plan, checked_policy, default_threads, kv_types, make_context
 from ..llamacpp.kvtypes import cell_bytes, mirror_dtype
 from ..llamacpp.model import GGUFModel
-from ..llamacpp.sequence import SequenceCache
+from ..llamacpp.sequence import SEQUENCE_BUFFERS, SequenceCache
 from .backend import Backend, Output
 from .metrics import mean_p50
 
@@ -171,6 +171,13 @@ class LlamaBackend(Backend):
         self._hold = False  # set by a preemption, cleared when a request ends
         self._in_use = 0  # cells held by running sequences, after the last step (read by gauges)
         self._mirror_bytes = 0  # bytes of the running sequences' key/value mirrors, after the last step (stats)
+        # every buffer the running sequences keep for their policies (SequenceCache.buffer_bytes), summed: now (after
+        # the last step) and at the most. Each publish sums every sequence's most since the last one (a sequence
+        # that ended since, its last), so the peak counts each sequence's buffers after its decode, before its
+        # scoring and eviction, as peak_cells counts cells (a bound: two sequences' moments may fall a record apart)
+        self._buffers_now = dict.fromkeys((*SEQUENCE_BUFFERS, "total"), 0)
+        self._buffers_peak = dict(self._buffers_now)
+        self._ended_windows: list[dict] = []
         # the largest peak KV bytes of a sequence (SequenceCache.peak): of a running one after the last step, of an
         # ended one
         self._peak_live: dict = {}
@@ -266,6 +273,7 @@ class LlamaBackend(Backend):
         c["in_flight_mean"], c["in_flight_p50"] = mean or 0.0, p50 or 0
         c["in_flight_cache_full_mean"], c["in_flight_cache_full_p50"], c["cache_full_steps"] = \
             mean_p50(self.cache_full_hist)
+        peak = self._buffers_peak  # one read: the engine thread replaces it
         c.update(engine="llama.cpp", kv="streams" if self.streams else "unified", stream_cells=self.stream_cells,
                  cells=self.cells, cells_allocated=self.n_ctx, cells_in_use=self._in_use,
                  kv_bytes=self.n_ctx * self.cell_bytes or None, cache_type_k=self.type_k, cache_type_v=self.type_v,
@@ -273,6 +281,10 @@ class LlamaBackend(Backend):
                  sequences=self.sequences, max_batch_tokens=self.max_batch, policy=self.policy.name,
                  budget=self.budget, threads=self.threads, capture=self.capture.method if self.capture else None,
                  kv_mirror_bytes=self._mirror_bytes,
+                 # every buffer the sequences keep for their policies, by kind and in all: now and at the most
+                 buffer_bytes=dict(self._buffers_now), buffer_peak_bytes=dict(peak),
+                 # the KV bytes with every buffer: the cells llama.cpp allocated and the buffers' most at once
+                 kv_bytes_with_buffers_peak=(self.n_ctx * self.cell_bytes or 0) + peak["total"],
                  # one sequence's peak KV bytes (cells as stored + the policy's buffers: llamacpp.kvtypes), the
                  # largest over every sequence so far, with its parts
                  **self._peak_stats(),
@@ -371,6 +383,12 @@ class LlamaBackend(Backend):
         `drop` the mirror) and fail."""
         self._in_use = self._held()
         self._mirror_bytes = sum(r.seq.mirror_bytes() for r in self._running)
+        seqs = [r.seq for r in self._running]
+        windows, self._ended_windows = [s.buffers.take_window() for s in seqs] + self._ended_windows, []
+        now = {k: sum(s.buffers.now[k] for s in seqs) for k in self._buffers_now}
+        most = {k: sum(w[k] for w in windows) for k in self._buffers_now}
+        self._buffers_now = now
+        self._buffers_peak = {k: max(v, most[k]) for k, v in self._buffers_peak.items()}
         self._peak_live = max((r.seq.peak for r in self._running), key=lambda p: p["bytes"], default={})
 
     def _admit(self) -> None:
@@ -405,6 +423,7 @@ class LlamaBackend(Backend):
         """Free the request's cells and sequence id at once."""
         seq = r.seq
         if seq is not None:
+            self._ended_windows.append(seq.buffers.take_window())  # its last moments, for the next publish
             seq.drop()
         with self._lock:  # its counts move from the running to the ended totals in one step (see _totals)
             if seq is not None:

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import EpiKVError
 from .checks import ServeSpec, ServingUnsupported, check_internals, check_serving, probe_cache
-from .evictor import KVReader, Track
+from .evictor import TRACK_BUFFERS, KVReader, Track
 from .metrics import mean_p50 as _mean_p50
 
 SCHEDULER_KEY = "epikv"
@@ -64,6 +64,10 @@ class Runtime:
                           evicted_tokens=0, prompts_evicted=0)
         # tokens evicted per finished request, the newest RECENT_FINISHED only; the totals above count them all
         self.finished_evicted: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # every buffer the requests keep for their policies (Track.buffer_bytes), summed over the requests: now and
+        # at the most (after a forward has scored its tokens, before the evictions it triggers)
+        self.buffers_now = dict.fromkeys((*TRACK_BUFFERS, "total"), 0)
+        self.buffers_peak = dict(self.buffers_now)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -170,7 +174,17 @@ class Runtime:
             a += t
             q += tq
         self.hidden, self.queries = {}, {}
+        self.note_buffers()
         return None
+
+    def note_buffers(self) -> None:
+        """Sum every request's buffers now (generation thread) and raise the peak (/stats reads both)."""
+        per = [tr.bytes for tr in list(self.tracks.values())]
+        now = {k: sum(b[k] for b in per) for k in TRACK_BUFFERS}
+        now["total"] = sum(now.values())
+        with self.lock:
+            self.buffers_now = now
+            self.buffers_peak = {k: max(v, now[k]) for k, v in self.buffers_peak.items()}
 
     def _sample(self, batch, output) -> None:
         """Replace each sampled request's logits row by its own sampler's choice (serving/sampling.py)."""
@@ -255,6 +269,7 @@ class Runtime:
                 ring[rid] = tr.evicted
                 while len(ring) > RECENT_FINISHED:
                     ring.popitem(last=False)
+            self.note_buffers()
 
     def pages_in_use(self) -> int:
         """Pages held by requests now (read live: any thread may ask while the loop allocates and frees)."""
@@ -353,6 +368,7 @@ def scheduler_class():
                         continue
                     rt.stats["pages_freed"] += freed
                     rt.stats["evictions"] += 1
+                rt.note_buffers()
             out = super().schedule_batch(token_budget, cache_budget)
             scheduled = out[0]
             if scheduled:
@@ -485,6 +501,8 @@ def serving_stats(manager) -> dict:
     with rt.lock:
         st = dict(rt.stats)
         evicted = dict(rt.finished_evicted)
+        # the requests' policy buffers (Track.buffer_bytes) by kind and their sum, now and at the most
+        st["buffer_bytes"], st["buffer_peak_bytes"] = dict(rt.buffers_now), dict(rt.buffers_peak)
     for rid, tr in list(rt.tracks.items()):
         evicted[rid] = tr.evicted
     st["evicted"] = evicted  # the live requests and the newest finished ones (counters: finished, evicted_tokens)
