@@ -37,12 +37,17 @@ def smollm2():
 
 def write_random_weights(path, n_layers: int, kv_heads: int, hidden: int, seed: int = 0) -> str:
     """A learned-score weights file of the given model shape, random (written in `epikv calibrate`'s format): the
-    shipped weights fit SmolLM2 only, and a learned policy refuses any other shape in one line."""
+    shipped weights fit SmolLM2 only, and a learned policy refuses any other shape in one line. With a random
+    decay map (epikv-learned-decay's per-token rates: log beta of a few hundredths per step, varying by token),
+    drawn after the score so the score is that of files written before the map."""
     from epikv.policies.learned import LearnedWeights
 
     g = torch.Generator().manual_seed(seed)
-    LearnedWeights(torch.randn(n_layers, kv_heads, hidden, generator=g), torch.zeros(n_layers, kv_heads),
-                   torch.zeros(n_layers, hidden), torch.ones(n_layers, hidden), {"model": "tiny"}).save(path)
+    w = torch.randn(n_layers, kv_heads, hidden, generator=g)
+    dw = torch.randn(n_layers, kv_heads, hidden, generator=g) * 0.05
+    db = -0.05 - 0.1 * torch.rand(n_layers, kv_heads, generator=g)
+    LearnedWeights(w, torch.zeros(n_layers, kv_heads), torch.zeros(n_layers, hidden), torch.ones(n_layers, hidden),
+                   {"model": "tiny"}, dw, db).save(path)
     return str(path)
 
 

@@ -44,7 +44,8 @@ def _resumed_equals(run, once, name):
     code, out, _ = run(name)
     assert code == 0
     got = load_weights(out)
-    return torch.equal(got.weight, once.weight) and torch.equal(got.bias, once.bias)
+    return (torch.equal(got.weight, once.weight) and torch.equal(got.bias, once.bias)
+            and torch.equal(got.decay_weight, once.decay_weight) and torch.equal(got.decay_bias, once.decay_bias))
 
 
 def test_an_interrupt_inside_a_texts_layer_loop_resumes_to_the_same_weights(run, monkeypatch):
@@ -78,14 +79,14 @@ def test_ctrl_c_while_a_texts_sums_are_added_is_held_until_the_text_is_whole(run
     def add(self, layer, x, ys):
         real(self, layer, x, ys)
         calls.append(layer)
-        if len(calls) == N_LAYERS + 2:
+        if len(calls) == 2 * N_LAYERS + 4:  # two sums a layer: the score's, the decay map's
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(cal.RidgeSums, "add", add)
     code, out, _ = run("twice")
     assert code == 130 and not out.exists()
     part = torch.load(str(out) + ".partial.pt", weights_only=True)
-    assert part["done"] == ["x0", "x1"] and calls == list(range(N_LAYERS)) * 2
+    assert part["done"] == ["x0", "x1"] and calls == [l for l in range(N_LAYERS) for _ in "sd"] * 2
     assert int(part["sums"]["n"][-1]) == part["tokens"]
     monkeypatch.setattr(cal.RidgeSums, "add", real)
     assert _resumed_equals(run, once, "twice")
@@ -130,6 +131,8 @@ def test_a_crafted_or_foreign_resume_file_is_refused_in_one_line(run, tmp_path, 
                        ("sy dtype", lambda s: s["sums"]["sy"].__setitem__("kvzap", s["sums"]["sy"]["kvzap"].float())),
                        ("done ids", lambda s: s.__setitem__("done", [0])),
                        ("tokens", lambda s: s.__setitem__("tokens", -1.5)),
+                       ("decay sxy shape", lambda s: s["decay"]["sxy"].__setitem__(
+                           "decay", s["decay"]["sxy"]["decay"][:, :, :1])),
                        ("extra key", lambda s: s.__setitem__("x", 1))):
         st = torch.load(partial, weights_only=True)
         edit(st)
@@ -138,4 +141,11 @@ def test_a_crafted_or_foreign_resume_file_is_refused_in_one_line(run, tmp_path, 
         code, _, err = run("b")
         assert code == 2 and len(err) == 1 and "is not a checkpoint of epikv calibrate" in err[0], (name, err)
         assert not (tmp_path / "b.safetensors").exists()
+    # a checkpoint written before the decay map (no decay sums): refused, saying why
+    st = torch.load(partial, weights_only=True)
+    del st["decay"]
+    st["config"].pop("horizon")
+    torch.save(st, tmp_path / "o.safetensors.partial.pt")
+    code, _, err = run("o")
+    assert code == 2 and len(err) == 1 and "before the decay map" in err[0], err
     assert run("r")[0] == 0  # the untouched checkpoint resumes

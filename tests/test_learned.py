@@ -126,7 +126,7 @@ def test_calibrate_command_is_resumable(tiny, tmp_path, capsys, monkeypatch):
                                          " Then multiply by two."}) + "\n" for i in range(4)))
     argv = ["calibrate", "--model", "random:tiny", "--texts", str(texts), "--max-tokens", "32"]
     code, out, _ = _cli(argv + ["--out", str(tmp_path / "once.safetensors")], capsys)
-    assert code == 0 and json.loads(out)["texts"] == 4
+    assert code == 0 and json.loads(out)["texts"] == 4 and json.loads(out)["decay_tokens"] > 0
     import epikv.calibrate as cal
 
     real, calls = cal.layer_run, []
@@ -154,7 +154,8 @@ def test_calibrate_command_is_resumable(tiny, tmp_path, capsys, monkeypatch):
     assert a.meta["fingerprint"] == model_fingerprint(tiny.model, tiny.model.model.layers)
     # bad inputs: one line, exit 2
     for extra, words in ((["--texts", str(tmp_path / "none.jsonl")], "does not exist"),
-                         (["--field", "nope"], "no text in field 'nope'"), (["--attn", "sdpa"], "eager")):
+                         (["--field", "nope"], "no text in field 'nope'"), (["--attn", "sdpa"], "eager"),
+                         (["--horizon", "4"], "at least 16 later queries")):
         code, _, err = _cli(argv + ["--out", str(tmp_path / "bad.safetensors")] + extra, capsys)
         assert code == 2 and len(err) == 1 and words in err[0], err
 
@@ -241,11 +242,13 @@ def test_keep_sets_per_kv_head_on_torch_and_one_per_token_served(tiny, tmp_path)
     assert check_serving(tiny.model, ServeSpec(policy="epikv-learned-mean", **spec)).name == "epikv-learned-mean"
 
 
-@pytest.mark.parametrize("name", ["epikv-learned-mean", "epikv-learned-decay", "epikv-learned-window",
-                                  "epikv-learned-age"])
-def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch, name):
-    """epikv-learned-mean and its ageing variants (issue 57) in the paged server (page 4, 2 requests in one forward)
-    keep the torch engine's batch-1 sets at page 4 at every eviction, with the same tokens."""
+@pytest.mark.parametrize("name, extra", [("epikv-learned-mean", {}), ("epikv-learned-decay", {}),
+                                         ("epikv-learned-decay", {"beta": 0.9, "per_token": False}),
+                                         ("epikv-learned-window", {}), ("epikv-learned-age", {"penalty": 0.1})])
+def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatch, name, extra):
+    """epikv-learned-mean and its ageing variants (issue 57; epikv-learned-decay with each token's fitted rate and
+    with one constant beta) in the paged server (page 4, 2 requests in one forward) keep the torch engine's batch-1
+    sets at page 4 at every eviction, with the same tokens."""
     from epikv import generate
     from epikv.serving import ServeSpec, run_batch
 
@@ -254,9 +257,9 @@ def test_served_mean_variant_replays_the_torch_engine(tiny, tmp_path, monkeypatc
     g = torch.Generator().manual_seed(6)
     path = tmp_path / "r.safetensors"
     LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
-                   {"model": "random:tiny"}).save(path)
+                   {"model": "random:tiny"}, torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(7)) * 0.01,
+                   torch.full((4, 2), -0.03)).save(path)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (20, 33)]
-    extra = {"epikv-learned-decay": {"beta": 0.9}, "epikv-learned-age": {"penalty": 0.1}}.get(name, {})
     spec = ServeSpec(policy=name, budget=64, page=4, num_blocks=128, max_batch_tokens=32, recency=8,
                      settings={"weights": str(path), **extra})
     outs, stats = run_batch(tiny.model, spec, prompts, 100)

@@ -1,7 +1,10 @@
 """Scores that age (issue 57 item 1): epikv-learned-decay's priority against a plain loop recomputation (the arrival
-score recomputed by hand from the hidden states the policy was shown, then multiplied by beta once per step of age)
-over runs with evictions, in the torch engine and in llama.cpp, whose keep sets must be the ones that priority
-gives; and the two controls' rules (a window that is a fraction of K, a fixed age penalty)."""
+score and, per token, the retention rate recomputed by hand from the hidden states the policy was shown, then the
+arrival score multiplied by the rate once per step of age) over runs with evictions, in the torch engine and in
+llama.cpp, whose keep sets must be the ones that priority gives; the constant-beta mode the same way; the per-token
+rate's calibration (the slope fit on synthetic attention, the Ridge map re-expressed in the score's
+standardisation, the graft onto a file fitted before it); and the two controls' rules (a window that is a fraction
+of K, a fixed age penalty)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,18 @@ def arrival_score(lw, hidden: dict, n_layers: int) -> float:
             total += float(torch.dot(x, lw.weight[l, g].double())) + float(lw.bias[l, g])
             count += 1
     return total / count
+
+
+def arrival_rate(lw, hidden: dict, n_layers: int) -> float:
+    """epikv-learned-decay's per-token retention rate beta_i by hand: per layer and KV head the decay map's dot
+    product with the standardised hidden state plus its bias, capped at 0 (log beta <= 0); exp of their mean."""
+    total, count = 0.0, 0
+    for l in range(n_layers):
+        x = (hidden[feature_block(l)].double() - lw.mean[l].double()) / lw.std[l].double()
+        for g in range(lw.shape[1]):
+            total += min(0.0, float(torch.dot(x, lw.decay_weight[l, g].double())) + float(lw.decay_bias[l, g]))
+            count += 1
+    return math.exp(total / count)
 
 
 def decayed(score: float, age: int, beta: float) -> float:
@@ -66,24 +81,29 @@ def record(policy, arrivals: dict, calls: list) -> None:
 
 def check_against_loop(lw, n_layers, arrivals, calls, keeps, beta, n_prompt, K, recent, tol):
     """Every eviction's priority equals the loop's (the recent window aside: llama.cpp scores it later, and no keep
-    rule reads it), and the keep set applied is the one the loop's priority gives."""
+    rule reads it), and the keep set applied is the one the loop's priority gives. beta: the constant rate, or None
+    for each token's own (arrival_rate)."""
     assert len(calls) == len(keeps) > 3
-    memo: dict[int, float] = {}
+    memo: dict[int, tuple[float, float]] = {}
     for (pos, got), kept in zip(calls, keeps):
         t = max(pos)
         for p in pos[:-recent]:
             if p not in memo:
-                memo[p] = arrival_score(lw, arrivals[p], n_layers)
-        want = [decayed(memo[p], t - p, beta) for p in pos[:-recent]] + [0.0] * recent
+                memo[p] = (arrival_score(lw, arrivals[p], n_layers),
+                           beta if beta is not None else arrival_rate(lw, arrivals[p], n_layers))
+        want = [decayed(memo[p][0], t - p, memo[p][1]) for p in pos[:-recent]] + [0.0] * recent
         assert max(abs(a - b) for a, b in zip(got[:-recent], want)) < tol, (t, got, want)
         assert kept == [pos[j] for j in kept_by(want, n_prompt, K, recent)]
 
 
-def test_decayed_score_equals_a_loop_recomputation_in_the_torch_engine(tiny, tmp_path):
-    """Mutants that fail it: the age off by one (t - i + 1), the decay applied twice (2 (t - i) ln beta)."""
+@pytest.mark.parametrize("per_token", [True, False])
+def test_decayed_score_equals_a_loop_recomputation_in_the_torch_engine(tiny, tmp_path, per_token):
+    """Each token's own fitted rate (per_token, the default) or one constant beta. Mutants that fail it: the age off
+    by one (t - i + 1), the decay applied twice (2 (t - i) log beta), a token's own rate replaced by another's
+    (log_beta rolled by one token in scores; per_token only)."""
     path = write_random_weights(tmp_path / "w.safetensors", 4, 2, 64, seed=3)
     K, recent, beta = 24, 4, 0.8
-    dec = Decoder(tiny.model, "epikv-learned-decay", K, recent=recent, weights=path, beta=beta)
+    dec = Decoder(tiny.model, "epikv-learned-decay", K, recent=recent, weights=path, beta=beta, per_token=per_token)
     arrivals, calls, keeps = {}, [], []
     record(dec.cache.policy, arrivals, calls)
     orig = dec.cache.evict
@@ -94,7 +114,39 @@ def test_decayed_score_equals_a_loop_recomputation_in_the_torch_engine(tiny, tmp
         for i in range(4, 60):
             dec.step(ids[:, i : i + 1])
     kept = [[calls[e][0][j] for j in k[0].tolist()] for e, k in enumerate(keeps)]
-    check_against_loop(load_weights(path), 4, arrivals, calls, kept, beta, 4, K, recent, 1e-4)
+    lw = load_weights(path)
+    check_against_loop(lw, 4, arrivals, calls, kept, None if per_token else beta, 4, K, recent, 1e-4)
+    if per_token:  # the rates differ by token (else a rate swapped for another's would go unseen)
+        rates = [arrival_rate(lw, h, 4) for h in arrivals.values()]
+        assert max(rates) - min(rates) > 0.01 and max(rates) < 1
+
+
+def test_dropin_cache_in_model_generate_keeps_what_the_loop_gives(tiny, tmp_path, monkeypatch):
+    """EpiKVCache with the per-token decay inside transformers' model.generate: every eviction's priority and keep
+    set are the loop's (each token's own rate, from the hidden states the policy was shown), each stored token
+    carries its rate, and the tokens are epikv.generate's. Mutant: on_tokens storing the new tokens' rates in
+    reverse order (log_beta flipped)."""
+    from epikv import EpiKVCache, generate
+    from epikv.cache import cache_kwarg
+
+    from conftest import record_keeps
+
+    path = write_random_weights(tmp_path / "w.safetensors", 4, 2, 64, seed=5)
+    K, recent = 24, 4
+    seen = record_keeps(monkeypatch, lambda keep, kw: keep[0].tolist())
+    ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(8))
+    c = EpiKVCache(tiny.model, "epikv-learned-decay", budget=K, recent=recent, weights=path)
+    arrivals, calls = {}, []
+    record(c.policy, arrivals, calls)
+    out = tiny.model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              **{cache_kwarg(tiny.model): c})
+    assert c.token_data["log_beta"].shape == c.token_data["pos"].shape and float(c.token_data["log_beta"].max()) < 0
+    [keeps] = seen.values()
+    kept = [[calls[e][0][j] for j in k] for e, k in enumerate(keeps)]
+    check_against_loop(load_weights(path), 4, arrivals, calls, kept, None, 12, K, recent, 1e-4)
+    ref = generate(tiny.model, tiny.tokenizer, [ids[0].tolist()], policy="epikv-learned-decay", budget=K,
+                   recent=recent, max_new_tokens=40, weights=path)
+    assert ref.token_ids[0] == out[0, 12:].tolist()
 
 
 def test_decay_reorders_what_the_arrival_score_keeps(tiny, tmp_path):
@@ -102,7 +154,7 @@ def test_decay_reorders_what_the_arrival_score_keeps(tiny, tmp_path):
     path = write_random_weights(tmp_path / "w.safetensors", 4, 2, 64, seed=3)
     ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(4))
     out = {}
-    for name, kw in (("epikv-learned-mean", {}), ("epikv-learned-decay", {"beta": 0.5})):
+    for name, kw in (("epikv-learned-mean", {}), ("epikv-learned-decay", {"beta": 0.5, "per_token": False})):
         dec = Decoder(tiny.model, name, 24, recent=4, weights=path, **kw)
         with torch.inference_mode():
             dec.prefill(ids[:, :4], [0])
@@ -132,14 +184,20 @@ def test_controls_window_and_age_penalty(tiny, tmp_path):
                      keys=[], values=[], device=torch.device("cpu"))
     got = get_policy("epikv-learned-age", penalty=0.1).scores(None, view)
     assert torch.allclose(got, torch.tensor([[0.5 - 1.0, 0.2 - 0.7, -1.0 - 0.3, 3.0]]))
-    got = get_policy("epikv-learned-decay", beta=0.5).scores(None, view)
+    got = get_policy("epikv-learned-decay", beta=0.5, per_token=False).scores(None, view)
     want = torch.tensor([[decayed(0.5, 10, 0.5), decayed(0.2, 7, 0.5), decayed(-1.0, 3, 0.5), 3.0]])
+    assert torch.allclose(got, want, atol=1e-5)
+    view.token_data["log_beta"] = torch.tensor([[-0.1, -0.5, 0.0, -0.2]])  # each token's own rate
+    got = get_policy("epikv-learned-decay", beta=0.5).scores(None, view)
+    want = torch.tensor([[decayed(0.5, 10, math.exp(-0.1)), decayed(0.2, 7, math.exp(-0.5)), -1.0, 3.0]])
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_decayed_score_equals_a_loop_recomputation_in_llamacpp():
-    """The same in llama.cpp on the embedded GGUF with the shipped SmolLM2 weights: the hidden states it captured,
-    scored by hand and decayed by the loop, give every keep set it applied (true positions, chunked scoring)."""
+@pytest.mark.parametrize("per_token", [True, False])
+def test_decayed_score_equals_a_loop_recomputation_in_llamacpp(per_token):
+    """The same in llama.cpp on the embedded GGUF with the shipped SmolLM2 weights (their fitted decay map, or the
+    constant beta): the hidden states it captured, scored by hand and decayed by the loop, give every keep set it
+    applied (true positions, chunked scoring)."""
     from epikv.engine import encode_prompts
     from epikv.llamacpp import LlamaDecoder, available, load_gguf
     from epikv.policies.learned import shipped_weights
@@ -149,7 +207,8 @@ def test_decayed_score_equals_a_loop_recomputation_in_llamacpp():
     gm = load_gguf("smollm2")
     ids = encode_prompts(gm.tokenizer, ["Explain step by step why the sum of two odd numbers is even."], chat=True)[0]
     K, recent, beta = 64, 8, 0.95
-    dec = LlamaDecoder(gm, "epikv-learned-decay", K, max_tokens=len(ids) + 100, threads=1, recent=recent, beta=beta)
+    dec = LlamaDecoder(gm, "epikv-learned-decay", K, max_tokens=len(ids) + 100, threads=1, recent=recent, beta=beta,
+                       per_token=per_token)
     arrivals, calls, keeps = {}, [], []
     record(dec.policy, arrivals, calls)
     dec.on_evict = lambda d, keep: keeps.append(d.positions[keep].tolist())
@@ -157,11 +216,12 @@ def test_decayed_score_equals_a_loop_recomputation_in_llamacpp():
     for _ in range(100):
         logits = dec.step(int(np.argmax(logits)))
     lw = load_weights(shipped_weights()[0])
-    assert lw.shape[0] == 30
-    check_against_loop(lw, 30, arrivals, calls, keeps, beta, len(ids), K, recent, 1e-3)
+    assert lw.shape[0] == 30 and lw.has_decay
+    check_against_loop(lw, 30, arrivals, calls, keeps, None if per_token else beta, len(ids), K, recent, 1e-3)
 
 
-@pytest.mark.parametrize("name, kw", [("epikv-learned-decay", {"beta": 0.9}),
+@pytest.mark.parametrize("name, kw", [("epikv-learned-decay", {}),
+                                      ("epikv-learned-decay", {"beta": 0.9, "per_token": False}),
                                       ("epikv-learned-window", {"recent_frac": 0.25}),
                                       ("epikv-learned-age", {"penalty": 0.1})])
 def test_llamacpp_server_keeps_what_generate_keeps(name, kw, request, monkeypatch):
@@ -217,7 +277,7 @@ def test_weights_of_another_model_of_the_same_shape_are_refused_in_one_line(tiny
     g = torch.Generator().manual_seed(1)
     path = tmp_path / "w.safetensors"
     LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
-                   {"model": "tiny", "fingerprint": fp}).save(path)
+                   {"model": "tiny", "fingerprint": fp}, torch.zeros(4, 2, 64), torch.full((4, 2), -0.01)).save(path)
     Decoder(tiny.model, "epikv-learned-decay", 24, weights=str(path))  # its own model: accepted
     half = copy.deepcopy(tiny.model).to(torch.bfloat16)
     assert model_fingerprint(half, half.model.layers) == fp  # the dtype does not change it
@@ -259,3 +319,166 @@ def test_shipped_weights_refuse_a_same_shape_fine_tune_of_smollm2(smollm2):
         with torch.no_grad():
             w.copy_(keep)
     Decoder(smollm2.model, "epikv-learned-decay", 64)
+
+
+def _synthetic_attention(c: torch.Tensor, a: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads, T, T] attention whose query j gives key i (j > i) exp(a_i - c_i (j - i)) / (j + 1): a known rate
+    c_i per token and KV head (c [kv_heads, T]), under the 1 / (j + 1) share every key's attention falls by as the
+    context grows."""
+    kv, t = c.shape
+    j, i = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    out = torch.zeros(heads, t, t)
+    for q in range(heads):
+        g = q // (heads // kv)
+        out[q] = torch.where(j > i, torch.exp(a[g][None, :] - c[g][None, :] * (j - i)) / (j + 1), torch.zeros(()))
+    return out
+
+
+def test_slope_fit_recovers_known_rates_on_synthetic_attention():
+    """decay_targets gives -c_i for attention at lag d = exp(a_i - c_i d) (relative to uniform), every token with
+    MIN_LAGS later queries (those near the end over fewer than `horizon` lags), and lag_slopes equals a least-squares
+    line fitted by hand over a token's valid lags. A rate that grows with age is capped at 0. Mutant: the slope's
+    sign flipped in lag_slopes ((sd sy - n sdy) / den: every target then capped to 0)."""
+    from epikv.calibrate import MIN_LAGS, decay_targets, lag_attention, lag_slopes
+
+    g = torch.Generator().manual_seed(0)
+    kv, t, horizon = 2, 90, 40
+    c = 0.01 + 0.2 * torch.rand(kv, t, generator=g)
+    a = torch.randn(kv, t, generator=g)
+    c[1, 5] = -0.05  # attention that grows with lag
+    log_beta, ok = decay_targets(_synthetic_attention(c, a, heads=4), kv, horizon)
+    assert ok.tolist() == [t - 1 - i >= MIN_LAGS for i in range(t)]
+    assert torch.allclose(log_beta[:, ok], -c[:, ok].clamp(min=0), atol=1e-5)
+    assert float(log_beta[1, 5]) == 0.0
+    # the line by hand on noisy data, near the end (fewer lags than the horizon)
+    y = torch.randn(kv, t, horizon, generator=g)
+    _, valid = lag_attention(torch.zeros(4, t, t), kv, horizon)
+    got = lag_slopes(y, valid)
+    for i in (0, 60, t - 3):
+        d = [k + 1 for k in range(horizon) if valid[i, k]]
+        for gi in range(kv):
+            ys = [float(y[gi, i, k - 1]) for k in d]
+            md, my = sum(d) / len(d), sum(ys) / len(ys)
+            want = sum((x - md) * (v - my) for x, v in zip(d, ys)) / sum((x - md) ** 2 for x in d)
+            assert abs(float(got[gi, i]) - want) < 1e-9, (gi, i)
+    assert got[:, t - 1].abs().max() == 0  # no later query: no slope
+
+
+def test_decay_map_is_re_expressed_in_the_scores_standardisation(tiny):
+    """A decay target linear in the features (w*, b* known), summed over other rows than the score's (fewer tokens:
+    other means and stds): fit_decay's map, applied to the score's standardised features as the policy does, gives
+    the target back. Mutant: the weight left in its own standardisation (not rescaled by std / sd_d)."""
+    from epikv.calibrate import DECAY, RidgeSums, fit_decay
+
+    g = torch.Generator().manual_seed(1)
+    L, kv, d = 4, 2, 64
+    w_true, b_true = torch.randn(L, kv, d, generator=g) * 0.01, -0.05 * torch.rand(L, kv, generator=g)
+    score, decay = RidgeSums(L, d, kv, targets=("lin",)), RidgeSums(L, d, kv, targets=(DECAY,))
+    feats = []
+    for n in range(6):
+        ids = torch.randint(3, 1000, (1, 40), generator=torch.Generator().manual_seed(n))
+        for l, (x, _, _, _) in enumerate(layer_run_tiny(tiny, ids)):
+            score.add(l, x, {"lin": x[:, :kv].float()})
+            decay.add(l, x[:15], {DECAY: x[:15].float() @ w_true[l].T + b_true[l]})
+            feats.append((l, x.float()))
+    _, _, mu, sd, _ = score.solve("lin", 1e-3)
+    dw, db, meta, report = fit_decay(decay, mu, sd, 1e-9, 64)
+    assert report["decay_tokens"] == 6 * 15 and meta["decay_horizon"] == 64
+    for l, x in feats[-L:]:
+        got = ((x - mu[l]) / sd[l]) @ dw[l].T + db[l]
+        want = x @ w_true[l].T + b_true[l]
+        assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max()) + 1e-5), l
+
+
+def layer_run_tiny(tiny, ids):
+    from epikv.calibrate import layer_run
+
+    return layer_run(tiny.model, ids)
+
+
+def test_weights_without_a_decay_map_load_and_are_refused_per_token_in_one_line(tiny, tmp_path, capsys):
+    """A file written before the decay map still loads (epikv-learned-mean runs it, and epikv-learned-decay with
+    per_token=false); the per-token mode refuses it in one line (torch engine, paged server, the CLI with exit 2)
+    rather than running the constant rule under its name. Mutant: _need_decay's condition False (a TypeError from
+    the missing map)."""
+    from epikv.policies.learned import LearnedWeights
+    from epikv.serving import ServeSpec, check_serving
+    from test_cli import run_bad, run_cli
+
+    g = torch.Generator().manual_seed(3)
+    old = tmp_path / "old.safetensors"
+    LearnedWeights(torch.randn(4, 2, 64, generator=g), torch.zeros(4, 2), torch.zeros(4, 64), torch.ones(4, 64),
+                   {"model": "tiny"}).save(old)
+    from safetensors import safe_open
+
+    with safe_open(str(old), framework="pt") as f:
+        assert set(f.keys()) == {"weight", "bias", "mean", "std"}
+    assert not load_weights(old).has_decay
+    Decoder(tiny.model, "epikv-learned-mean", 24, weights=str(old))
+    Decoder(tiny.model, "epikv-learned-decay", 24, weights=str(old), per_token=False)
+    with pytest.raises(EpiKVError) as e:
+        Decoder(tiny.model, "epikv-learned-decay", 24, weights=str(old))
+    assert "\n" not in str(e.value) and "no decay map" in str(e.value) and "per_token=false" in str(e.value)
+    spec = dict(budget=64, page=8, num_blocks=32, max_batch_tokens=32)
+    with pytest.raises(EpiKVError, match="no decay map"):
+        check_serving(tiny.model, ServeSpec(policy="epikv-learned-decay", settings={"weights": str(old)}, **spec))
+    gen = ["generate", "--model", "random:tiny", "--prompt", "Hello there", "--raw", "--max-new-tokens", "6",
+           "--budget", "16", "--recent", "4", "--policy", "epikv-learned-decay", "--weights", str(old)]
+    assert "no decay map" in run_bad(capsys, *gen)
+    code, _, err = run_cli(capsys, *gen, "--set", "epikv-learned-decay.per_token=false")
+    assert code == 0, err
+
+
+def test_graft_adds_a_decay_map_leaving_the_scores_bytes(tmp_path):
+    """graft_decay (how the shipped file got its map): the target file's tensor bytes stay as they were, at their
+    offsets, its header keeps its fingerprints and gains the decay fields, and the grafted map, applied to the
+    target's standardisation, gives the source's per-head log rates (the two files' means and stds differ here).
+    A source without a map, or fitted on another model, is refused in one line. Mutant: the weight copied without
+    rescaling it to the target's std (scale = 1.0)."""
+    import struct
+
+    from epikv.policies.learned import LearnedWeights, graft_decay
+
+    g = torch.Generator().manual_seed(4)
+    fp = "{}|00000000000000aa"
+    w, b = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, generator=g)
+    dst = tmp_path / "dst.safetensors"
+    LearnedWeights(w, b, torch.randn(3, 8, generator=g), torch.rand(3, 8, generator=g) + 0.5,
+                   {"model": "m", "fingerprint": fp, "also_fits": "{}|gguf:bb"}).save(dst)
+    src = tmp_path / "src.safetensors"
+    LearnedWeights(w, b, torch.randn(3, 8, generator=g), torch.rand(3, 8, generator=g) + 0.5,
+                   {"model": "m", "fingerprint": fp, "decay_horizon": 256}, torch.randn(3, 2, 8, generator=g),
+                   torch.randn(3, 2, generator=g)).save(src)
+
+    def data(p):
+        raw = p.read_bytes()
+        return raw[8 + struct.unpack("<Q", raw[:8])[0]:]
+
+    before = data(dst)
+    got = graft_decay(dst, src)
+    assert data(dst)[:len(before)] == before
+    assert got.meta["also_fits"] == "{}|gguf:bb" and got.meta["decay_horizon"] == "256" and got.has_decay
+    s = load_weights(src)
+    h = torch.randn(5, 8, generator=g)
+    for l in range(3):
+        mine = ((h - got.mean[l]) / got.std[l]) @ got.decay_weight[l].T + got.decay_bias[l]
+        theirs = ((h - s.mean[l]) / s.std[l]) @ s.decay_weight[l].T + s.decay_bias[l]
+        assert torch.allclose(mine, theirs, atol=1e-4), l
+    with pytest.raises(EpiKVError, match="carry a decay map already"):
+        graft_decay(dst, src)
+    other = tmp_path / "other.safetensors"
+    LearnedWeights(w, b, torch.zeros(3, 8), torch.ones(3, 8), {"model": "o", "fingerprint": "{}|cc"}).save(other)
+    with pytest.raises(EpiKVError, match="carry no decay map"):
+        graft_decay(other, other)
+    with pytest.raises(EpiKVError, match="fitted on another model"):
+        graft_decay(other, src)
+
+
+def test_shipped_weights_carry_a_decay_map_fitted_over_256_later_queries():
+    """The shipped SmolLM2 file's decay map (its header says how it was fitted: benchmarks/results/learned/README.md),
+    with rates below 1 on average over real hidden states' standardised scale (mean bias < 0)."""
+    from epikv.policies.learned import shipped_weights
+
+    lw = load_weights(shipped_weights()[0])
+    assert lw.has_decay and lw.meta["decay_horizon"] == "256" and lw.meta["decay_min_lags"] == "16"
+    assert float(lw.decay_bias.mean()) < 0

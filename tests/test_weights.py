@@ -24,9 +24,11 @@ from test_cli import run_bad, run_cli
 
 EMBEDDED_GGUF_FP = ('{"heads": 9, "hidden": 576, "kv_heads": 3, "layers": 30, "model_type": "llama", "vocab": 49152}'
                     "|gguf:7bf629a34232ade6")
-# sha256 of the shipped file's tensor bytes (everything after its header): the weights the docs' tables measured,
-# unchanged by the GGUF fingerprint added to the header
+# sha256 of the shipped file's score tensors' bytes (the first 345,960 bytes after its header: bias, mean, std,
+# weight): the weights the docs' tables measured, unchanged by the GGUF fingerprint added to the header and by the
+# decay map appended after them (policies/learned.graft_decay)
 SHIPPED_TENSORS = "c42787855d765ca917c9a531d6eae1eeb0f7055b1167add166f5015af33c8f98"
+SCORE_BYTES = 345960
 
 
 def _embedded_gguf() -> Path:
@@ -40,7 +42,8 @@ def _weights(path, fingerprint: str | None, seed: int, layers: int = 4, kv: int 
     g = torch.Generator().manual_seed(seed)
     meta = {"model": model, **({"fingerprint": fingerprint} if fingerprint else {})}
     LearnedWeights(torch.randn(layers, kv, hidden, generator=g), torch.randn(layers, kv, generator=g),
-                   torch.zeros(layers, hidden), torch.ones(layers, hidden), meta).save(path)
+                   torch.zeros(layers, hidden), torch.ones(layers, hidden), meta,
+                   torch.randn(layers, kv, hidden, generator=g) * 0.01, torch.full((layers, kv), -0.03)).save(path)
     return str(path)
 
 
@@ -127,7 +130,10 @@ def test_shipped_weights_fit_smollm2_and_its_embedded_gguf_with_their_tensors_un
     [f] = shipped_weights()
     raw = f.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    assert hashlib.sha256(raw[8 + n:]).hexdigest() == SHIPPED_TENSORS
+    header = json.loads(raw[8:8 + n])
+    assert {k: v["data_offsets"] for k, v in header.items() if k in ("bias", "mean", "std", "weight")} == {
+        "bias": [0, 360], "mean": [360, 69480], "std": [69480, 138600], "weight": [138600, SCORE_BYTES]}
+    assert hashlib.sha256(raw[8 + n:8 + n + SCORE_BYTES]).hexdigest() == SHIPPED_TENSORS
     lw = load_weights(f)
     assert gguf_fingerprint(_embedded_gguf()) == EMBEDDED_GGUF_FP
     assert find_weights(None, 30, fingerprint=EMBEDDED_GGUF_FP) is lw

@@ -11,10 +11,26 @@ Targets, per KV head g (the query heads sharing it, GQA) and token i, over the l
 - "mean": log mean_{j > i, q in g} A[q, j, i], the attention the token receives from the future on average.
 
 Tokens without a later query (the last) and the first token (the attention sink, kept by every policy with the
-prompt) are left out. The fit is Ridge on standardised features, closed form in float64 from running sums (so a run
-is resumable: the sums of the whole texts done, and their ids, are saved to `<out>.partial.pt` every `save_every`
-seconds and on interrupt, atomically, and a rerun continues to the same sums an uninterrupted run reaches; both
-targets are summed in one pass, so a second target costs no second run). The checkpoint holds tensors, strings and
+prompt) are left out.
+
+Beside the score, one pass also fits the decay map of epikv-learned-decay (TRIM-KV, arXiv:2512.03324: a token's
+importance decays as its own retention rate beta_i raised to its age): per layer l and KV head g, a linear map of the
+same features to log beta_i <= 0, the rate per step of age. Target (decay_targets): for each token the least-squares
+slope of log(attention it receives at lag d) against d, over its later queries at lags d = 1 .. `horizon` (default
+256), clipped to <= 0; the attention at lag d is the mean over g's query heads of A[q, i + d, i], times the i + d + 1
+keys that query sees (attention relative to uniform, so the 1 / (j + 1) every key's share falls by as the context
+grows, common to all tokens at one query, is not taken for a decay), floored at 1e-6 of uniform. Only tokens with
+at least MIN_LAGS later queries enter it. Then Ridge of that slope on the features, as for the score. Per layer and
+KV head rather than pooled over layers: the score is per layer and KV head, and the policy averages both in the log
+scale, so its priority is the mean over layers and heads of each head's own decayed log score; and the layers do
+not share one rate (on a SmolLM2 text the median slope is -0.004 per step in layer 0 and -0.016 in layer 10), so a
+pooled map would fit one slope to targets that differ by layer. The decay rows are a subset of the score's; the
+map is stored in the score's standardisation (fit_decay), so one set of standardised features feeds both.
+
+Both fits are Ridge on standardised features, closed form in float64 from running sums (so a run is resumable: the
+sums of the whole texts done, and their ids, are saved to `<out>.partial.pt` every `save_every` seconds and on
+interrupt, atomically, and a rerun continues to the same sums an uninterrupted run reaches; both score targets and
+the decay map are summed in one pass, so a second target costs no second run). The checkpoint holds tensors, strings and
 numbers only and is read with `torch.load(weights_only=True)`, then checked, before any of it is used.
 """
 
@@ -36,6 +52,10 @@ from .interrupts import interrupts_held
 from .policies.learned import LearnedWeights, feature_block
 
 TARGETS = ("kvzap", "mean")
+DECAY = "decay"  # the decay map's target in its RidgeSums
+HORIZON = 256  # later queries a token's decay is fitted over (lags 1 .. HORIZON)
+MIN_LAGS = 16  # a token with fewer later queries gives no decay target: its slope would be noise
+REL_FLOOR = 1e-6  # attention relative to uniform floored here before the log: an ignored token is not -inf
 
 
 def attention_targets(attn: torch.Tensor, values: torch.Tensor, o_weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -57,6 +77,41 @@ def attention_targets(attn: torch.Tensor, values: torch.Tensor, o_weight: torch.
     mean = (a.sum(dim=1).view(g, h // g, t).sum(1) / (h // g)) / n_future.clamp(min=1)  # [kv_heads, T]
     tiny = 1e-12
     return {"kvzap": kv[:, :-1].clamp(min=tiny).log(), "mean": mean[:, :-1].clamp(min=tiny).log()}
+
+
+def lag_attention(attn: torch.Tensor, kv_heads: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention each token receives at each lag, relative to uniform, in log: (y [kv_heads, T, horizon],
+    valid [T, horizon]), y[g, i, d - 1] = log max(REL_FLOOR, (i + d + 1) * mean_{q in g} A[q, i + d, i]) and valid
+    where query i + d exists. attn: [heads, T, T] softmax weights (query j, key i)."""
+    h, t, _ = attn.shape
+    a = attn.float().view(kv_heads, h // kv_heads, t, t).mean(1)  # [g, j, i]
+    rel = a * torch.arange(1, t + 1, dtype=a.dtype, device=a.device)[None, :, None]  # query j sees j + 1 keys
+    lag = torch.arange(1, horizon + 1, device=a.device)
+    j = torch.arange(t, device=a.device)[:, None] + lag[None, :]  # [i, d]: the query at lag d of token i
+    valid = j < t
+    by_lag = rel.transpose(1, 2).gather(2, j.clamp(max=t - 1).expand(kv_heads, t, horizon))  # [g, i, d]
+    return by_lag.clamp(min=REL_FLOOR).log(), valid
+
+
+def lag_slopes(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Least-squares slope of y against the lag d = 1 .. H over the valid lags: y [..., T, H], valid [T, H] ->
+    [..., T] (0 where fewer than 2 lags are valid), in float64: cov(d, y) / var(d) over each token's lags."""
+    d = torch.arange(1, y.shape[-1] + 1, dtype=torch.float64, device=y.device)
+    m = valid.double()
+    n, sd, sdd = m.sum(-1), (m * d).sum(-1), (m * d * d).sum(-1)
+    ym = y.double() * m
+    sy, sdy = ym.sum(-1), (ym * d).sum(-1)
+    den = n * sdd - sd * sd  # n^2 var(d): 0 for fewer than 2 lags
+    return torch.where(den > 0, (n * sdy - sd * sy) / den.clamp(min=1e-12), torch.zeros_like(sy))
+
+
+def decay_targets(attn: torch.Tensor, kv_heads: int, horizon: int = HORIZON) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay map's target of one layer: (log_beta [kv_heads, T], ok [T]): each token's slope of log relative
+    attention received against lag (lag_slopes of lag_attention), clipped to <= 0 (a rate of at most 1: attention
+    that grows with age is not a retention rate); ok where the token has at least MIN_LAGS later queries (those are
+    the rows fitted; callers drop token 0 themselves)."""
+    y, valid = lag_attention(attn, kv_heads, horizon)
+    return lag_slopes(y, valid).clamp(max=0.0).float(), valid.sum(-1) >= MIN_LAGS
 
 
 @dataclass
@@ -257,27 +312,32 @@ def _same_layout(got, want) -> bool:
     return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
 
 
-def load_checkpoint(path: Path, config: dict, sums: RidgeSums) -> tuple[list[str], int]:
-    """Load a resume file into `sums`; returns (ids of the texts done, tokens summed). It is unpickled with
-    weights_only=True (tensors, containers, strings and numbers: a crafted file runs no code) and checked whole
-    before any of it is used; anything else is refused in one line."""
+def load_checkpoint(path: Path, config: dict, sums: RidgeSums, decay: RidgeSums) -> tuple[list[str], int]:
+    """Load a resume file into `sums` (the score's) and `decay` (the decay map's); returns (ids of the texts done,
+    tokens summed). It is unpickled with weights_only=True (tensors, containers, strings and numbers: a crafted file
+    runs no code) and checked whole before any of it is used; anything else is refused in one line."""
     refuse = f"calibrate: {path} is not a checkpoint of epikv calibrate"
     try:
         st = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise EpiKVError(f"{refuse} (it cannot be read with torch.load(weights_only=True): "
                          f"{type(e).__name__}): delete it to start over") from None
-    if not isinstance(st, dict) or set(st) != {"config", "sums", "done", "tokens"}:
-        raise EpiKVError(f"{refuse} (not its dict of config, sums, done, tokens): delete it to start over")
+    if isinstance(st, dict) and set(st) == {"config", "sums", "done", "tokens"}:
+        raise EpiKVError(f"calibrate: {path} was written by an epikv calibrate before the decay map (it lacks the "
+                         "decay sums, which need the texts run again): delete it to start over")
+    if not isinstance(st, dict) or set(st) != {"config", "sums", "decay", "done", "tokens"}:
+        raise EpiKVError(f"{refuse} (not its dict of config, sums, decay, done, tokens): delete it to start over")
     if st["config"] != config:
-        raise EpiKVError(f"calibrate: {path} is from another model, text set or max_tokens: delete it or give the "
-                         "same settings")
+        raise EpiKVError(f"calibrate: {path} is from another model, text set, max_tokens or horizon: delete it or "
+                         "give the same settings")
     done, tokens = st["done"], st["tokens"]
-    if (not _same_layout(st["sums"], sums.state()) or not isinstance(done, list)
+    if (not _same_layout(st["sums"], sums.state()) or not _same_layout(st["decay"], decay.state())
+            or not isinstance(done, list)
             or not all(isinstance(d, str) for d in done) or type(tokens) is not int or tokens < 0):
         raise EpiKVError(f"{refuse} (its sums, texts done or token count are not of this model's shape and "
                          "type): delete it to start over")
     sums.load(st["sums"])
+    decay.load(st["decay"])
     return list(done), tokens
 
 
@@ -294,10 +354,12 @@ def default_out(model_name: str, model) -> Path:
 
 def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, target: str = "kvzap",
               max_tokens: int = 512, ridge: float = 1e-3, model_name: str = "", save_every: float = 60.0,
-              progress=None, also_fits: list[str] = ()) -> tuple[LearnedWeights, dict]:
-    """Fit and write the weights file `out`; returns (weights, report). Resumes from `<out>.partial.pt`.
-    also_fits: fingerprints of other forms of this model (its GGUF conversions: llamacpp/gguf_file.py) recorded as
-    fitting too; each must have the model's architecture and shapes."""
+              progress=None, also_fits: list[str] = (), horizon: int = HORIZON) -> tuple[LearnedWeights, dict]:
+    """Fit and write the weights file `out` (the score and the decay map over `horizon` later queries); returns
+    (weights, report). Resumes from `<out>.partial.pt`. also_fits: fingerprints of other forms of this model (its
+    GGUF conversions: llamacpp/gguf_file.py) recorded as fitting too; each must have the model's architecture and
+    shapes. When no token has MIN_LAGS later queries (texts too short) the file has no decay map, said in the
+    report."""
     if target not in TARGETS:
         raise EpiKVError(f"calibrate: target must be one of {', '.join(TARGETS)}, got {target!r}")
     from .cache import decoder_layers
@@ -308,21 +370,25 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
         if f.rsplit("|", 1)[0] != mine:
             raise EpiKVError(f"calibrate: --also-for names a model of another architecture or shape "
                              f"({f.rsplit('|', 1)[0]}) than this one ({mine})")
+    if horizon < MIN_LAGS:
+        raise EpiKVError(f"calibrate: --horizon must be at least {MIN_LAGS} later queries, got {horizon}")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(str(out) + ".partial.pt")
     ids_all = [i for i, _ in texts]
-    config = {"signature": sig, "max_tokens": max_tokens, "texts": hashlib.sha256("\n".join(
+    config = {"signature": sig, "max_tokens": max_tokens, "horizon": horizon, "texts": hashlib.sha256("\n".join(
         f"{i}\t{t}" for i, t in texts).encode()).hexdigest()}
     sums = RidgeSums(sig["layers"], sig["hidden"], sig["kv_heads"])
+    decay = RidgeSums(sig["layers"], sig["hidden"], sig["kv_heads"], targets=(DECAY,))
     done: list[str] = []
     tokens = 0
     if partial.exists():
-        done, tokens = load_checkpoint(partial, config, sums)
+        done, tokens = load_checkpoint(partial, config, sums, decay)
     t0 = time.monotonic()
     last_save = t0
 
     def save():
-        write_checkpoint(partial, {"config": config, "sums": sums.state(), "done": done, "tokens": tokens})
+        write_checkpoint(partial, {"config": config, "sums": sums.state(), "decay": decay.state(), "done": done,
+                                   "tokens": tokens})
 
     if progress is not None:
         progress.skip(len(done))
@@ -337,12 +403,15 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
             rows = []  # the text's features and targets of every layer, added to the sums only once all are read
             for x, attn, vals, wo in layer_run(model, ids):
                 ys = attention_targets(attn, vals, wo)
-                rows.append((x[1:-1], {k: v[:, 1:].T for k, v in ys.items()}))  # tokens 1 .. T-2
+                lb, ok = decay_targets(attn, vals.shape[0], horizon)
+                ok[0] = False  # the sink, as for the score
+                rows.append((x[1:-1], {k: v[:, 1:].T for k, v in ys.items()}, x[ok], lb[:, ok].T))
             # a text counts whole or not at all: Ctrl-C here would leave some layers' sums with it and others
             # without, and a checkpoint of them would resume to another fit
             with interrupts_held():
-                for l, (x, ys) in enumerate(rows):
+                for l, (x, ys, xd, yd) in enumerate(rows):
                     sums.add(l, x, ys)
+                    decay.add(l, xd, {DECAY: yd})
                 tokens += ids.shape[1] - 2
                 done.append(tid)
             if progress is not None:
@@ -355,15 +424,37 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
         raise
     save()
     w, b, mu, sd, r2 = sums.solve(target, ridge)
+    dw, db, dmeta, dreport = fit_decay(decay, mu, sd, ridge, horizon)
     meta = {"model": model_name or sig["model_type"], "signature": json.dumps(sig, sort_keys=True),
             "fingerprint": model_fingerprint(model, decoder_layers(model)), "target": target,
             "texts": len([d for d in done if d in set(ids_all)]), "text_ids": ",".join(done), "tokens": tokens,
             "ridge": ridge, "max_tokens": max_tokens}
     if also_fits:
         meta["also_fits"] = "\n".join(dict.fromkeys(also_fits))
-    lw = LearnedWeights(w, b, mu, sd, meta)
+    lw = LearnedWeights(w, b, mu, sd, {**meta, **dmeta}, dw, db)
     lw.save(out)
     report = {"out": str(out), "target": target, "texts": meta["texts"], "tokens": tokens,
               "r2_mean": round(float(r2.mean()), 4), "r2_by_layer": [round(float(x), 3) for x in r2.mean(1)],
-              "seconds": round(time.monotonic() - t0, 1)}
+              **dreport, "seconds": round(time.monotonic() - t0, 1)}
     return lw, report
+
+
+def fit_decay(decay: RidgeSums, mean: torch.Tensor, std: torch.Tensor, ridge: float, horizon: int):
+    """The decay map from its sums, re-expressed in the score's standardisation (mean, std) so one set of
+    standardised features feeds both maps: (decay_weight [L, G, D] or None, decay_bias [L, G] or None, header
+    fields, report fields). Its rows (tokens with MIN_LAGS later queries) are a subset of the score's, with their
+    own mean mu_d and std sd_d: w' = w sd^-1_d std, b' = b + ((mean - mu_d) / sd_d) . w, exact in float64."""
+    n = int(decay.n.min())
+    if n < 2:
+        return None, None, {}, {"decay": f"not fitted: no token has {MIN_LAGS} later queries (longer texts)"}
+    wd, bd, mud, sdd, r2 = decay.solve(DECAY, ridge)
+    wd64 = wd.double()
+    w = (wd64 * (std.double() / sdd.double())[:, None, :]).float()
+    b = (bd.double() + torch.einsum("ld,lgd->lg", (mean.double() - mud.double()) / sdd.double(), wd64)).float()
+    ybar = decay.sy[DECAY] / decay.n[:, None]  # [L, G] mean target slope (log beta per step)
+    meta = {"decay_horizon": horizon, "decay_min_lags": MIN_LAGS, "decay_tokens": n,
+            "decay_r2": round(float(r2.mean()), 4)}
+    report = {"decay_tokens": n, "decay_r2_mean": round(float(r2.mean()), 4),
+              "decay_r2_by_layer": [round(float(x), 3) for x in r2.mean(1)],
+              "decay_log_beta_mean": round(float(ybar.mean()), 6)}
+    return w, b, meta, report

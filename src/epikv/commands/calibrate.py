@@ -13,7 +13,10 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="fit epikv-learned's score on a model's own attention",
                        description="Run the model (eager attention, full cache) over a JSONL of texts and fit, per "
                                    "layer and KV head, a Ridge map from the hidden state entering attention to an "
-                                   "attention-based target (KVzap's, or the mean future attention); writes a small "
+                                   "attention-based target (KVzap's, or the mean future attention), and a second "
+                                   "map to each token's log retention rate (epikv-learned-decay, TRIM-KV: the slope "
+                                   "of the log attention it receives against lag over --horizon later queries); "
+                                   "writes a small "
                                    "safetensors file, by default into the weights cache folder that the engines "
                                    "search for the file fitted on their model ($EPIKV_WEIGHTS_DIR, default "
                                    "~/.cache/epikv/weights; elsewhere name it with --weights FILE). Resumable: "
@@ -27,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=512, help="tokens per text (default 512)")
     p.add_argument("--target", choices=("kvzap", "mean"), default="kvzap",
                    help="kvzap: log max later attention x ||W_o v|| (default); mean: log mean later attention")
+    # the defaults are calibrate.HORIZON and MIN_LAGS, named here without importing torch for --help
+    p.add_argument("--horizon", type=positive_int, default=None,
+                   help="later queries each token's retention rate is fitted over (default 256; at least 16)")
     p.add_argument("--ridge", type=nonneg_float, default=1e-3, help="Ridge penalty on standardised features (default 1e-3)")
     p.add_argument("--out", default=None, type=out_file,
                    help="weights file to write (.safetensors); default: MODEL-CHECKSUM.safetensors in the weights "
@@ -40,13 +46,15 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..calibrate import calibrate, default_out, read_texts
+    from ..calibrate import HORIZON, MIN_LAGS, calibrate, default_out, read_texts
     from ..policies.learned import cache_dir
     from ..models import load_model
     from ..progress import Progress
 
     if args.attn not in (None, "eager"):
         raise EpiKVError("calibrate reads attention weights: it runs eager attention (leave --attn out)")
+    if args.horizon is not None and args.horizon < MIN_LAGS:  # before the model loads
+        raise EpiKVError(f"calibrate: --horizon must be at least {MIN_LAGS} later queries, got {args.horizon}")
     texts = read_texts(args.texts, args.field, args.exclude, args.max_texts)
     also = _gguf_fingerprints(args.also_for)
     if args.out is None:  # the cache folder, refused in one line before the model loads when it is not writable
@@ -61,7 +69,7 @@ def run(args) -> int:
     with Progress("calibrate", total=len(texts), unit="texts") as prog:
         _, report = calibrate(lm.model, lm.tokenizer, texts, out, target=args.target,
                               max_tokens=args.max_tokens, ridge=args.ridge, model_name=args.model, progress=prog,
-                              also_fits=also)
+                              also_fits=also, horizon=args.horizon or HORIZON)
     print(json.dumps(report))
     return 0
 

@@ -26,30 +26,49 @@ def feature_block(layer: int) -> int:
 class LearnedWeights:
     """A fitted per-layer, per-KV-head linear score: score[l, g](t) = ((h(t) - mean[l]) / std[l]) . weight[l, g]
     + bias[l, g], h(t) the hidden state entering layer l (feature_block). meta: the fit's header (format, model,
-    layers, kv_heads, hidden, target, texts, tokens, ridge, ...), strings."""
+    layers, kv_heads, hidden, target, texts, tokens, ridge, ...), strings.
+
+    decay_weight / decay_bias (optional, TRIM-KV's retention rate, epikv-learned-decay): a second linear map of the
+    same standardised features to each layer and KV head's log retention rate per step of age, log beta[l, g](t)
+    = min(0, x . decay_weight[l, g] + decay_bias[l, g]) (calibrate.decay_targets). Files written before it have
+    none (has_decay False) and load as before."""
 
     weight: torch.Tensor  # [layers, kv_heads, hidden]
     bias: torch.Tensor  # [layers, kv_heads]
     mean: torch.Tensor  # [layers, hidden]
     std: torch.Tensor  # [layers, hidden]
     meta: dict
+    decay_weight: torch.Tensor | None = None  # [layers, kv_heads, hidden]
+    decay_bias: torch.Tensor | None = None  # [layers, kv_heads]
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.weight.shape)
 
+    @property
+    def has_decay(self) -> bool:
+        return self.decay_weight is not None
+
     def describe(self) -> str:
         l, g, d = self.shape
         return f"{self.meta.get('model', '?')} ({l} layers, {g} KV heads, hidden {d})"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
+        if self.has_decay:
+            out.update(decay_weight=self.decay_weight, decay_bias=self.decay_bias)
+        return {k: v.float().contiguous() for k, v in out.items()}
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
         meta = {k: str(v) for k, v in self.meta.items()}
         meta.update(format=FORMAT, layers=str(self.shape[0]), kv_heads=str(self.shape[1]), hidden=str(self.shape[2]))
-        save_file({"weight": self.weight.float().contiguous(), "bias": self.bias.float().contiguous(),
-                   "mean": self.mean.float().contiguous(), "std": self.std.float().contiguous()}, str(path),
-                  metadata=meta)
+        save_file(self.tensors(), str(path), metadata=meta)
+
+
+SCORE_TENSORS = {"weight", "bias", "mean", "std"}
+DECAY_TENSORS = {"decay_weight", "decay_bias"}
 
 
 def load_weights(path: str | Path) -> LearnedWeights:
@@ -71,14 +90,15 @@ def _load(path: str, mtime: int) -> LearnedWeights:
             t = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # not a safetensors file
         raise EpiKVError(f"learned weights {path!r} are unreadable: {type(e).__name__}") from None
-    if meta.get("format") != FORMAT or set(t) != {"weight", "bias", "mean", "std"}:
+    if meta.get("format") != FORMAT or set(t) not in (SCORE_TENSORS, SCORE_TENSORS | DECAY_TENSORS):
         raise EpiKVError(f"learned weights {path!r} are not an {FORMAT} file (format {meta.get('format')!r})")
     w = t["weight"]
     l, g, d = w.shape
     if (t["bias"].shape != (l, g) or t["mean"].shape != (l, d) or t["std"].shape != (l, d)
-            or meta.get("layers") != str(l) or meta.get("kv_heads") != str(g) or meta.get("hidden") != str(d)):
+            or meta.get("layers") != str(l) or meta.get("kv_heads") != str(g) or meta.get("hidden") != str(d)
+            or ("decay_weight" in t and (t["decay_weight"].shape != (l, g, d) or t["decay_bias"].shape != (l, g)))):
         raise EpiKVError(f"learned weights {path!r}: tensor shapes disagree with the header")
-    return LearnedWeights(w, t["bias"], t["mean"], t["std"], meta)
+    return LearnedWeights(w, t["bias"], t["mean"], t["std"], meta, t.get("decay_weight"), t.get("decay_bias"))
 
 
 CACHE_ENV = "EPIKV_WEIGHTS_DIR"
@@ -141,20 +161,71 @@ def add_fingerprints(path: str | Path, fingerprints: list[str]) -> list[str]:
     new = [f for f in dict.fromkeys(fingerprints) if f not in have]
     if not new:
         return []
+
+    def edit(header: dict) -> bytes:
+        meta = header.setdefault("__metadata__", {})
+        meta["also_fits"] = "\n".join([f for f in meta.get("also_fits", "").splitlines() if f] + new)
+        return b""
+
+    _rewrite(p, edit)
+    return new
+
+
+def _rewrite(p: Path, edit) -> None:
+    """Rewrite a safetensors file's header in place (atomically): edit(header) changes the parsed header and
+    returns bytes to append after the tensor data (for tensors it added to the header, with offsets past the old
+    data). The old tensor bytes are copied as they are, at their old offsets."""
     raw = p.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
-    meta = header.setdefault("__metadata__", {})
-    meta["also_fits"] = "\n".join([f for f in meta.get("also_fits", "").splitlines() if f] + new)
+    extra = edit(header)
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)  # safetensors pads its header with spaces to 8 bytes
     tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
     try:
-        tmp.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+        tmp.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:] + extra)
         os.replace(tmp, p)
     finally:
         tmp.unlink(missing_ok=True)
-    return new
+
+
+def graft_decay(path: str | Path, source: str | Path) -> LearnedWeights:
+    """Add the decay map of `source` (a weights file `epikv calibrate` fitted on the same model: the same shape and
+    a fingerprint in common) to the weights file `path`, whose tensors stay byte-identical at their offsets and
+    whose header keeps every field (fingerprint, also_fits, ...), gaining source's decay_* fields. The map is
+    re-expressed exactly in path's standardisation (its mean and std; source's may differ in the last bits when
+    the model ran on another thread count): w' = w std / std_s, b' = b + ((mean - mean_s) / std_s) . w, in float64.
+    How the shipped SmolLM2 file got its map without refitting its score (benchmarks/results/learned/README.md).
+    Returns path's weights as now loaded."""
+    p = Path(path)
+    dst, src = load_weights(p), load_weights(source)
+    if not src.has_decay:
+        raise EpiKVError(f"learned weights {str(source)!r} carry no decay map (fit one with `epikv calibrate`)")
+    if dst.has_decay:
+        raise EpiKVError(f"learned weights {str(p)!r} carry a decay map already")
+    if src.shape != dst.shape or (accepted_fingerprints(dst) and not set(accepted_fingerprints(src))
+                                  & set(accepted_fingerprints(dst))):
+        raise EpiKVError(f"learned weights {str(source)!r} ({src.describe()}) were fitted on another model than "
+                         f"{str(p)!r} ({dst.describe()})")
+    ws, bs = src.decay_weight.double(), src.decay_bias.double()
+    scale = (dst.std.double() / src.std.double())[:, None, :]  # [L, 1, D]
+    w = (ws * scale).float().contiguous()
+    b = (bs + torch.einsum("ld,lgd->lg", (dst.mean.double() - src.mean.double()) / src.std.double(), ws)).float()
+    b = b.contiguous()
+
+    def edit(header: dict) -> bytes:
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        extra = b""
+        for name, t in (("decay_bias", b), ("decay_weight", w)):
+            data = t.numpy().tobytes()
+            header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [end + len(extra),
+                                                                                     end + len(extra) + len(data)]}
+            extra += data
+        header.setdefault("__metadata__", {}).update({k: v for k, v in src.meta.items() if k.startswith("decay_")})
+        return extra
+
+    _rewrite(p, edit)
+    return load_weights(p)
 
 
 def _known(fingerprint: str | None) -> bool:
@@ -226,16 +297,25 @@ def check_fingerprint(lw: LearnedWeights, fingerprint: str) -> None:
                      "weights for it with `epikv calibrate`")
 
 
-def linear_scores(lw: LearnedWeights, hidden: dict[int, torch.Tensor], n_layers: int) -> torch.Tensor:
-    """score [batch, layers, kv_heads, T] from the captured block outputs hidden[block] [batch, T, dim]."""
+def linear_scores(lw: LearnedWeights, hidden: dict[int, torch.Tensor], n_layers: int, decay: bool = False):
+    """score [batch, layers, kv_heads, T] from the captured block outputs hidden[block] [batch, T, dim]; with decay
+    (weights with a decay map) also each layer and KV head's log retention rate min(0, x . decay_weight + decay_bias),
+    same shape, from the same standardised features in the same einsum: (score, log_beta)."""
+    g = lw.shape[1]
     out = []
     for l in range(n_layers):
         h = hidden[feature_block(l)].float()  # [batch, T, dim]
         dev = h.device
         x = (h - lw.mean[l].to(dev)) / lw.std[l].to(dev)
-        out.append(torch.einsum("btd,gd->bgt", x, lw.weight[l].to(dev)) + lw.bias[l].to(dev)[None, :, None])
+        w, b = lw.weight[l], lw.bias[l]
+        if decay:
+            w, b = torch.cat([w, lw.decay_weight[l]]), torch.cat([b, lw.decay_bias[l]])  # [2g, dim], [2g]
+        out.append(torch.einsum("btd,gd->bgt", x, w.to(dev)) + b.to(dev)[None, :, None])
     home = out[0].device
-    return torch.stack([o.to(home) for o in out], dim=1)  # [batch, layers, kv_heads, T]
+    res = torch.stack([o.to(home) for o in out], dim=1)  # [batch, layers, (2) kv_heads, T]
+    if not decay:
+        return res
+    return res[:, :, :g], res[:, :, g:].clamp(max=0.0)
 
 
 @dataclass
@@ -279,11 +359,11 @@ class LearnedScore(Policy):
         refusing in one line weights fitted on another; init_state then uses the file chosen."""
         self._checked = (int(n_layers), find_weights(self.weights, n_layers, fingerprint=fingerprint))
 
-    def raw_scores(self, state, obs) -> torch.Tensor:
+    def raw_scores(self, state, obs, decay: bool = False):
         lw, n = state["_lw"], state["_n"]
         h0 = obs.hidden[feature_block(0)]
         check_shape(lw, n, obs.kv_heads or None, h0.shape[-1])
-        return linear_scores(lw, obs.hidden, n)  # [batch, layers, kv_heads, T]
+        return linear_scores(lw, obs.hidden, n, decay)  # [batch, layers, kv_heads, T] (and log_beta with decay)
 
     def on_tokens(self, state, obs):
         return {"score": self.raw_scores(state, obs)}
