@@ -139,6 +139,21 @@ class _Torch:
                 self.logits = self.dec.step(self.logits.argmax(-1)[:, None])
 
 
+def _rounds(runs: dict, total: int, size: int) -> dict[str, float]:
+    """Seconds each configuration spent generating `total` tokens, in rounds of `size` taken in turn (the machine's
+    drift falls on every configuration alike)."""
+    spent = {k: 0.0 for k in runs}
+    done = 0
+    while done < total:
+        n = min(size, total - done)
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            r.run(n)
+            spent[k] += time.perf_counter() - t0
+        done += n
+    return spent
+
+
 def step(args):
     from epikv.llamacpp import load_gguf
 
@@ -157,15 +172,7 @@ def step(args):
     if not args.no_torch:
         configs[f"{pol} torch engine (float32)"] = lambda: _Torch(ids, args.budget, total, pol)
     runs = {k: make() for k, make in configs.items()}
-    spent = {k: 0.0 for k in runs}
-    done = 0
-    while done < total:
-        n = min(args.round, total - done)
-        for k, r in runs.items():
-            t0 = time.perf_counter()
-            r.run(n)
-            spent[k] += time.perf_counter() - t0
-        done += n
+    spent = _rounds(runs, total, args.round)
     base = spent["plain llama.cpp, whole cache"]
     held = spent[f"plain llama.cpp, held at K={args.budget} (oldest removed)"]
     rows = []
@@ -196,15 +203,7 @@ def celltypes(args):
     repeats = []
     for _ in range(args.repeats):
         runs = {t: _Llama(gm, ids, args.policy, args.budget, "c", total, cells=t) for t in types}
-        spent = {t: 0.0 for t in types}
-        done = 0
-        while done < total:
-            n = min(args.round, total - done)
-            for t, r in runs.items():
-                t0 = time.perf_counter()
-                r.run(n)
-                spent[t] += time.perf_counter() - t0
-            done += n
+        spent = _rounds(runs, total, args.round)
         repeats.append({t: dict(seconds=round(spent[t], 3), tokens_per_s=round(total / spent[t], 2),
                                 evictions=runs[t].dec.evictions, kv_peak_bytes=runs[t].dec.peak_report()["kv_peak_bytes"],
                                 time_vs_f16=round(spent[t] / spent["f16"], 4)) for t in types})
