@@ -149,3 +149,12 @@ def test_a_crafted_or_foreign_resume_file_is_refused_in_one_line(run, tmp_path, 
     code, _, err = run("o")
     assert code == 2 and len(err) == 1 and "before the decay map" in err[0], err
     assert run("r")[0] == 0  # the untouched checkpoint resumes
+
+
+def test_the_cli_names_calibrates_own_horizon_defaults():
+    """`calibrate --help` and docs/cli.md state the horizon's default without importing torch: the numbers named in
+    the command are the ones calibrate fits with. Mutant: either constant changed on one side."""
+    from epikv import calibrate
+    from epikv.commands import calibrate as command
+
+    assert (command.HORIZON, command.MIN_LAGS) == (calibrate.HORIZON, calibrate.MIN_LAGS)

@@ -87,6 +87,67 @@ def test_retention_keep_sets_are_the_policy_code_on_the_captured_states(gm, item
     assert (K - len(item.prompt_ids)) % tau and m["kv_peak_cells"] == K + tau
 
 
+def test_a_long_tau_is_fed_in_chunks_of_a_divisor():
+    """Retention feeds Seg-Q's tau 128 in chunks of 16 (its evictions stay on the chunks' grid); a tau with no
+    divisor near 16 is fed whole. Mutant: feed_chunk returns tau."""
+    from epikv.retention.llamacpp import feed_chunk
+
+    assert [feed_chunk(t) for t in (1, 8, 16, 20, 64, 128, 131)] == [1, 8, 16, 10, 16, 16, 131]
+
+
+def _arriving_row(gm, policy: str) -> int:
+    """Bytes one token's arriving keys / values take, stored as F16 (two bytes a value), by hand."""
+    from epikv.policies import get_policy
+
+    parts = get_policy(policy).observes(gm.depth).kv_parts
+    dims = {"k": gm.head_dim_k, "v": gm.head_dim_v}
+    return sum(gm.n_layers * gm.n_head_kv * dims[p] * 2 for p in "kv" if p in parts)
+
+
+def test_seg_q_at_tau_128_waits_for_16_rows_at_most_and_fits_its_plan(gm, item):
+    """Seg-Q (tau 128, arriving keys of every layer) through retention: its arriving rows wait as F16 and are
+    scored every 16 tokens at most, so the rows waiting never pass 15 + one chunk of 16; the measured peak is within
+    the plan --kv-memory picks K from, and the cells peak at K + tau at the most. Mutants: arriving rows kept as
+    float32; the flush interval left at the recent window (40 here); the chunk left at tau."""
+    from epikv.llamacpp.kvtypes import plan_peak
+    from epikv.policies import get_policy
+    from epikv.retention.llamacpp import LlamaCppTraces
+    from epikv.retention.runner import policy_pass, reference_pass
+
+    K, tau, p = 160, 128, len(item.prompt_ids)
+    model = LlamaCppTraces(gm, threads=1)
+    ref = reference_pass(model, item, 16)
+    reports = []
+
+    def on_decoder(dec):  # the run's every buffer at the most, read before the decoder closes
+        close = dec.close
+        dec.close = lambda: (reports.append(dec.peak_report()), close())
+
+    model.on_decoder = on_decoder
+    m = policy_pass(model, item, ref, "epikv-seg-q", K, tau)
+    assert m["evictions"] >= 1 and m["kv_peak_cells"] <= K + tau
+    (rep,) = reports
+    assert 0 < rep["buffer_peak_bytes"]["waiting_kv"] <= (15 + 16) * _arriving_row(gm, "epikv-seg-q")
+    plan = plan_peak(gm, get_policy("epikv-seg-q", tau=tau), K, step_tokens=16, n_batch=16, prompt_tokens=p)
+    assert m["kv_peak_bytes"] <= plan.total
+
+
+def test_seg_q_decoding_scores_arriving_keys_every_16_tokens(gm):
+    """One-token steps at K = 512 (recent window 128): Seg-Q's arriving keys wait 16 tokens at most, as F16.
+    Mutants: ARRIVING_EVERY ignored (48 rows wait); rows kept as float32."""
+    from epikv.llamacpp import LlamaDecoder
+
+    dec = LlamaDecoder(gm, "epikv-seg-q", 512, max_tokens=100, threads=1, flash_attn=False)
+    try:
+        assert dec.recent == 128
+        logits = dec.prefill([int(t) for t in np.random.default_rng(0).integers(100, 40000, 8)])
+        for _ in range(40):
+            logits = dec.step(int(np.argmax(logits)))
+        assert dec.peak_report()["buffer_peak_bytes"]["waiting_kv"] == 16 * _arriving_row(gm, "epikv-seg-q")
+    finally:
+        dec.close()
+
+
 def test_full_policy_scores_zero_against_its_reference(gm, item):
     """Two independent full-cache streams of one trace agree exactly: the reference is reproducible, so a policy's
     loss is its eviction's, not the engine's noise."""

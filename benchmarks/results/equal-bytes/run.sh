@@ -15,8 +15,12 @@
 set -uo pipefail
 R=${R:-benchmarks/results/equal-bytes}
 EPIKV=${EPIKV:-epikv}
-POLICIES='full,random,streaming,context-shift[n_keep=-1],epikv-seg-q[tau=128],epikv-learned-mean'
-for i in $(seq 0 27); do
+POLICIES=${POLICIES:-'full,random,streaming,context-shift[n_keep=-1],epikv-seg-q[tau=128],epikv-learned-mean'}
+# one trace of each of the 7 problems first (the bootstrap resamples problems: 5 are needed for an interval), the
+# shortest of each problem not yet covered, then the rest in file order
+FIRST='0 1 2 11 17 13 26'
+ORDER=${ORDER:-"$FIRST $(seq 0 27 | grep -vxE "${FIRST// /|}" | tr '\n' ' ')"}
+for i in $ORDER; do
   for T in f16 q8_0 q4_0; do
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $EPIKV retention --engine llama.cpp --model smollm2 --threads 1 \
       --flash-attn on --cache-type-k $T --cache-type-v $T --no-report --tau 16 --traces shared-28 \

@@ -8,6 +8,10 @@ import json
 from ..errors import EpiKVError
 from .common import add_model_args, nonneg_float, out_dir, out_file, positive_int
 
+# calibrate.HORIZON and calibrate.MIN_LAGS, named here without importing torch for --help (tests/test_calibrate.py
+# checks they agree)
+HORIZON, MIN_LAGS = 256, 16
+
 
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="fit epikv-learned's score on a model's own attention",
@@ -30,9 +34,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=512, help="tokens per text (default 512)")
     p.add_argument("--target", choices=("kvzap", "mean"), default="kvzap",
                    help="kvzap: log max later attention x ||W_o v|| (default); mean: log mean later attention")
-    # the defaults are calibrate.HORIZON and MIN_LAGS, named here without importing torch for --help
-    p.add_argument("--horizon", type=positive_int, default=None,
-                   help="later queries each token's retention rate is fitted over (default 256; at least 16)")
+    p.add_argument("--horizon", type=positive_int, default=HORIZON,
+                   help=f"later queries each token's retention rate is fitted over (default {HORIZON}; at least "
+                        f"{MIN_LAGS})")
     p.add_argument("--ridge", type=nonneg_float, default=1e-3, help="Ridge penalty on standardised features (default 1e-3)")
     p.add_argument("--out", default=None, type=out_file,
                    help="weights file to write (.safetensors); default: MODEL-CHECKSUM.safetensors in the weights "
@@ -46,14 +50,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..calibrate import HORIZON, MIN_LAGS, calibrate, default_out, read_texts
+    from ..calibrate import calibrate, default_out, read_texts
     from ..policies.learned import cache_dir
     from ..models import load_model
     from ..progress import Progress
 
     if args.attn not in (None, "eager"):
         raise EpiKVError("calibrate reads attention weights: it runs eager attention (leave --attn out)")
-    if args.horizon is not None and args.horizon < MIN_LAGS:  # before the model loads
+    if args.horizon < MIN_LAGS:  # before the model loads
         raise EpiKVError(f"calibrate: --horizon must be at least {MIN_LAGS} later queries, got {args.horizon}")
     texts = read_texts(args.texts, args.field, args.exclude, args.max_texts)
     also = _gguf_fingerprints(args.also_for)
@@ -69,7 +73,7 @@ def run(args) -> int:
     with Progress("calibrate", total=len(texts), unit="texts") as prog:
         _, report = calibrate(lm.model, lm.tokenizer, texts, out, target=args.target,
                               max_tokens=args.max_tokens, ridge=args.ridge, model_name=args.model, progress=prog,
-                              also_fits=also, horizon=args.horizon or HORIZON)
+                              also_fits=also, horizon=args.horizon)
     print(json.dumps(report))
     return 0
 

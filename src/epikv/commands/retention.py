@@ -83,10 +83,11 @@ def run(args) -> int:
 
         if "budgets" in (getattr(args, "given", None) or set()):
             raise EpiKVError("--kv-memory chooses the budgets: give --kv-memory or --budgets, not both")
+        from ..retention.llamacpp import feed_chunk
         from ..retention.runner import prepare_traces
 
         # the plan knows the file's prompts (all of them: a --skip / --limit slice gets the same K) and how retention
-        # feeds them: chunks of tau, the prompt in micro-batches of tau (LlamaCppTraces)
+        # feeds them: chunks (feed_chunk of the policy's tau), the prompt in micro-batches of the same (LlamaCppTraces)
         items, _ = prepare_traces(every_row, eng.tokenizer, args.max_reasoning_tokens, args.system,
                                   args.max_answer_tokens)
         longest = max((len(it.prompt_ids) for it in items), default=1)
@@ -97,8 +98,9 @@ def run(args) -> int:
                 continue
             s = dict(settings[spec])
             tau = s.pop("tau", args.tau)
+            chunk = feed_chunk(tau)  # as LlamaCppTraces feeds this policy
             chosen[spec] = sorted({memory_budget(eng.gm, args, _name(spec), tau, eng.type_k, eng.type_v, None,
-                                                 kv_memory=m, plan={"step_tokens": tau, "n_batch": tau,
+                                                 kv_memory=m, plan={"step_tokens": chunk, "n_batch": chunk,
                                                                     "prompt_tokens": longest},
                                                  **s) for m in args.kv_memory})
         budgets_for = chosen.__getitem__

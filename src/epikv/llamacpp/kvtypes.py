@@ -10,8 +10,9 @@ Byte accounting (what `peak_kv_bytes` reports, per sequence):
   count, seq id) and a fixed header: tests/test_llamacpp_quant.py checks the two against each other.
 - buffers, in use at the same moment: the key/value mirror (cached keys / values of the layers the keep rule reads,
   F16 or F32: one row per cell), the rows waiting for their statistic (hidden-state rows of tokens not yet scored,
-  float32, up to the recent window for the hidden-state policies; the arriving keys / values of the step for the
-  policies that take a statistic on arrival) and the query window. Allocation is not counted: llama.cpp allocates
+  float32, up to the recent window for the hidden-state policies; the arriving keys / values of every layer for the
+  policies that take a statistic on arrival, at the mirror's F16 where the cells are F16 or quantized, scored at
+  least every 16 tokens) and the query window. Allocation is not counted: llama.cpp allocates
   the context's n_ctx cells (rounded up to 256: `kv_bytes`), which the pool of a server shares.
 - every buffer as allocated (SequenceCache.buffer_bytes, reported beside the peak as buffer_bytes /
   buffer_peak_bytes): the same buffers read from their arrays (the mirror's allocated rows, views counting their
@@ -147,10 +148,11 @@ def peak_cells(policy, budget: int) -> int:
     return own(budget) if own is not None else budget + policy.tau
 
 
-def per_token_buffers(gm, policy, mirror_elem: int = 2) -> dict[str, int]:
+def per_token_buffers(gm, policy, mirror_elem: int = 2, arriving_elem: int = 4) -> dict[str, int]:
     """Bytes a token takes in each policy buffer the llama.cpp engine keeps: the key/value mirror ("mirror", a cell's
     rows at `mirror_elem` bytes a value), hidden-state rows waiting to be scored ("hidden", float32) and arriving
-    keys / values waiting for their statistic ("arriving", float32); the query window's bytes in all ("queries")."""
+    keys / values waiting for their statistic ("arriving", `arriving_elem` bytes a value: sequence.arriving_dtype);
+    the query window's bytes in all ("queries")."""
     from .sequence import kv_plan
 
     obs = policy.observes(gm.depth)
@@ -160,7 +162,8 @@ def per_token_buffers(gm, policy, mirror_elem: int = 2) -> dict[str, int]:
     row = lambda layers, elem: sum(len(layers) * gm.n_head_kv * dims[p] * elem for p in parts)  # noqa: E731
     q_layers = sorted(obs.query_layers or range(gm.n_layers)) if obs.queries else []
     n_head = gm.n_embd // gm.head_dim_k if gm.head_dim_k else 0
-    return {"mirror": row(plan["mirror"], mirror_elem), "arriving": row(plan["capture"], 4) if obs.arriving_kv else 0,
+    return {"mirror": row(plan["mirror"], mirror_elem),
+            "arriving": row(plan["capture"], arriving_elem) if obs.arriving_kv else 0,
             "hidden": len(obs.hidden_layers) * gm.n_embd * 4,
             "queries": len(q_layers) * int(obs.queries) * n_head * gm.head_dim_k * 4}
 
@@ -171,19 +174,23 @@ def plan_peak(gm, policy, budget: int, type_k: str = "f16", type_v: str = "f16",
     moments,
     - a step at the peak: peak_cells x (cell + mirror row), the rows waiting to be scored or for their statistic, the
       queries. Rows wait until a flush: up to the recent window for the hidden-state policies, whose scoring is
-      deferred (sequence.flush), one step's for the others; `step_tokens` tokens arrive a step (1 when generating,
+      deferred (sequence.flush), at most sequence.ARRIVING_EVERY where arriving keys / values wait too, one step's
+      for the others; `step_tokens` tokens arrive a step (1 when generating,
       tau where `retention` feeds chunks of tau), so at most (flush interval - 1 + step_tokens) rows wait;
     - the prompt's last micro-batch: the prompt's cells with the mirror's rows, and its rows still waiting (every
       prompt row, or with `n_batch` (the prefill's micro-batch) at most flush interval - 1 + n_batch of them).
     The prompt is `prompt_tokens` long where the caller knows it (`retention` knows its traces), else the longest a
     budget protects (K - recent): what a server must plan for."""
-    from ..policies.hidden import HiddenStatePolicy
+    import numpy as np
 
-    b = per_token_buffers(gm, policy, mirror_dtype(type_k, type_v).itemsize)
+    from .sequence import arriving_dtype, score_every
+
+    mirror = mirror_dtype(type_k, type_v)
+    b = per_token_buffers(gm, policy, mirror.itemsize, np.dtype(arriving_dtype(mirror)).itemsize)
     cell = cell_bytes(gm, type_k, type_v)
     cells = peak_cells(policy, budget)
     recent = policy.recent_window(budget)
-    every = max(1, recent) if isinstance(policy, HiddenStatePolicy) else 1  # sequence._score_every
+    every = score_every(policy, recent, policy.observes(gm.depth))  # as the sequence flushes
     row = b["hidden"] + b["arriving"]
     p = max(1, budget - recent) if prompt_tokens is None else max(1, min(prompt_tokens, budget - recent))
     waiting = p if n_batch is None else min(p, every - 1 + n_batch)

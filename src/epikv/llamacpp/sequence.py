@@ -40,6 +40,27 @@ from .model import GGUFModel
 SEQUENCE_BUFFERS = ("mirror", "waiting_hidden", "waiting_kv", "queries", "token_data", "policy_state")
 
 
+# Arriving keys / values (every layer's, for a statistic taken on arrival: Seg, Seg-Q) are the largest buffer a
+# token has (at F16, two cells' worth a token): their scoring is due at least this often, however long the recent
+# window that lets the hidden-state rows wait (flush: chunked scoring gives the same scores, tests/test_signals.py)
+ARRIVING_EVERY = 16
+
+
+def score_every(policy: Policy, recent: int, obs) -> int:
+    """How many tokens wait for their scoring (sequence.flush): the recent window for the hidden-state policies, whose
+    scores are first read when a token leaves it, at most ARRIVING_EVERY where arriving keys / values wait too; 1 (each
+    step, as the torch engine) for any other policy."""
+    every = max(1, recent) if isinstance(policy, HiddenStatePolicy) else 1
+    return min(every, ARRIVING_EVERY) if obs.arriving_kv else every
+
+
+def arriving_dtype(kv_dtype) -> type:
+    """The numpy type arriving keys / values wait in: the mirror's F16 where the cells are F16 or quantized (the
+    policy reads them cast to that type anyway, so storing them cast changes no score), float32 else (numpy has no
+    bf16)."""
+    return np.float16 if kv_dtype == torch.float16 else np.float32
+
+
 def kv_plan(obs, n_layers: int) -> dict[str, list[int]]:
     """Which layers' keys / values a sequence mirrors ("mirror": Observes.keys_values at Observes.kv_layers, every
     layer when None) and which the capture copies at each decode ("capture": the mirror's, or every layer for a
@@ -123,8 +144,8 @@ class SequenceCache:
         self.max_cells = 0  # the most cells held at once (after a decode, before its eviction)
         # the hidden-state policies' on_tokens reads only the step's own tokens, so their scoring may wait (flush);
         # any other policy is fed every step, as the torch engine does
-        self._score_every = max(1, self.recent) if isinstance(policy, HiddenStatePolicy) else 1
         obs = policy.observes(gm.depth)
+        self._score_every = score_every(policy, self.recent, obs)
         n_layers = gm.n_layers
         plan = kv_plan(obs, n_layers)
         self.mirror_layers = plan["mirror"]  # the layers whose keys / values the mirror holds (the keep rule's)
@@ -265,7 +286,8 @@ class SequenceCache:
             for p, kind in enumerate(parts):  # [L, t, H, d] -> [L, H, t, d], cast to the cache's type (round to even)
                 self._kv_np[p, :, :, n_old : n_old + t] = _layers(attn[kind], layers).transpose(0, 2, 1, 3)
         if self._arriving_kv:
-            self._arriving.append({kind: _layers(attn[kind], self.kv_layers, copy=True) for kind in self.kv_parts})
+            at = arriving_dtype(self.kv_dtype)  # cast as the policy reads them (a copy)
+            self._arriving.append({kind: _layers(attn[kind], self.kv_layers).astype(at) for kind in self.kv_parts})
             self._arriving_bytes += sum(a.nbytes for a in self._arriving[-1].values())
         w = self._n_queries
         for l in self.query_layers:

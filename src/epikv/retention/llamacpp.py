@@ -13,6 +13,21 @@ from ..llamacpp.engine import LlamaDecoder, check_model_policy
 from ..llamacpp.model import GGUFModel
 
 
+# the longest chunk retention feeds at once: a long tau (Seg-Q's 128) is fed in chunks of a divisor of it, so a
+# policy's rows waiting for their statistic are those of a short step (a user decodes one token a step), while the
+# evictions land where one-token steps put them (every tau tokens, on the chunks' grid)
+MAX_CHUNK = 16
+
+
+def feed_chunk(tau: int) -> int:
+    """The chunk retention feeds for a policy of this tau: tau up to MAX_CHUNK, else the largest divisor of tau not
+    above MAX_CHUNK (tau itself where that divisor is below MAX_CHUNK / 2: few, long chunks cost less time)."""
+    if tau <= MAX_CHUNK:
+        return max(1, tau)
+    d = max(c for c in range(1, MAX_CHUNK + 1) if tau % c == 0)
+    return d if 2 * d >= MAX_CHUNK else tau
+
+
 class LlamaCppTraces:
     """What epikv.retention.runner reads of a model: `device`, `epikv_engine` (recorded in every record and in the
     folder's config) and `stream_trace` (its `_stream` through llama.cpp)."""
@@ -36,10 +51,10 @@ class LlamaCppTraces:
     def stream_trace(self, item, policy, budget: int | None, on_logits: Callable[[int, torch.Tensor], None]):
         """Returns (forward seconds, cache stats, peak KV MiB at the cache's own type) as the runner's _stream."""
         ids = item.ids
-        p, n, tau = len(item.prompt_ids), len(ids), policy.tau
-        # a micro-batch holds a chunk of tau, and the prompt goes in micro-batches of tau too: the rows a policy
-        # keeps for the prompt's tokens are flushed after each, so its peak bytes stay those of a step (kvtypes'
-        # plan_peak with n_batch = tau)
+        p, n, tau = len(item.prompt_ids), len(ids), feed_chunk(policy.tau)
+        # a micro-batch holds a chunk (tau, or a divisor of a long tau), and the prompt goes in micro-batches of the
+        # same size: the rows a policy keeps for the prompt's tokens are flushed after each, so its peak bytes stay
+        # those of a step (kvtypes' plan_peak with step_tokens = n_batch = the chunk)
         dec = LlamaDecoder(self.gm, policy, budget, max_tokens=n, threads=self.threads, type_k=self.type_k,
                            type_v=self.type_v, flash_attn=self.flash_attn, n_batch=tau)
         try:
@@ -49,10 +64,11 @@ class LlamaCppTraces:
             last = dec.prefill(ids[:p])  # [vocab], predicts token P
             fwd = time.perf_counter() - t0
             on_logits(0, torch.from_numpy(last)[None])
-            # chunks of tau, the first one shorter where the budget needs it: chunk ends then land where the cells
-            # reach K + tau (the prompt holds p <= K), so the first eviction comes at K + tau cells as every later
-            # one does, and a sequence peaks at K + tau cells as in one-token steps (kvtypes.plan_peak); on the
-            # plain grid a prompt ending off it lets the cells reach K + 2 tau - 1 before the first eviction
+            # chunks, the first one shorter where the budget needs it: chunk ends then land where the cells reach
+            # K + tau (the prompt holds p <= K; tau is a multiple of the chunk), so the first eviction comes at
+            # K + tau cells at the latest, as every later one does, and a sequence peaks at K + tau cells as in
+            # one-token steps (kvtypes.plan_peak); on the plain grid a prompt ending off it lets the cells reach
+            # K + 2 tau - 1 before the first eviction
             first = (budget - p) % tau if budget is not None and policy.evicts and p <= budget else 0
             ends = [e for e in [p + first] * bool(first) + list(range(p + first + tau, n - 1, tau)) if e < n - 1]
             ends.append(n - 1)  # the last token predicts nothing scored
