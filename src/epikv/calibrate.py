@@ -43,6 +43,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -262,6 +263,28 @@ def _jsonl(path: str) -> list[dict]:
     return out
 
 
+@dataclass
+class ModelRuns:
+    """What calibrate needs of an engine: the model's signature (fingerprint.model_signature's keys) and fingerprint
+    (the weights file's "fingerprint", which the engines look for), its tokenizer (text -> ids) and `layers(ids)`:
+    per layer (features [T, dim], attention weights [heads, T, T], values [kv_heads, T, hd], W_o [hidden,
+    heads * hd]) of one full-cache forward over ids [1, T] (torch_runs: transformers' eager attention;
+    llamacpp/calibrate.gguf_runs: llama.cpp on a GGUF)."""
+
+    signature: dict
+    fingerprint: str
+    tokenize: Callable[[str], list[int]]
+    layers: Callable[[torch.Tensor], list[tuple]]
+
+
+def torch_runs(model, tokenizer) -> ModelRuns:
+    """calibrate's runs on a transformers model (eager attention: layer_run)."""
+    from .cache import decoder_layers
+
+    return ModelRuns(model_signature(model), model_fingerprint(model, decoder_layers(model)),
+                     lambda text: tokenizer(text).input_ids, lambda ids: layer_run(model, ids))
+
+
 def layer_run(model, ids: torch.Tensor):
     """One eager forward over ids [1, T]: per layer (features [T, dim], attention [heads, T, T], values
     [kv_heads, T, hd], o_proj weight). The only place that touches the model."""
@@ -343,12 +366,14 @@ def load_checkpoint(path: Path, config: dict, sums: RidgeSums, decay: RidgeSums)
 
 def default_out(model_name: str, model) -> Path:
     """Where `epikv calibrate` writes without --out: the weights cache folder (policies/learned.cache_dir), named
-    after the model and its weights checksum, so a fine-tune gets its own file and a rerun resumes the same one."""
+    after the model and its weights checksum, so a fine-tune gets its own file and a rerun resumes the same one.
+    model: a transformers model or a ModelRuns."""
     from .cache import decoder_layers
     from .policies.learned import cache_dir
 
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
-    check = model_fingerprint(model, decoder_layers(model)).rsplit("|", 1)[1]
+    fp = model.fingerprint if isinstance(model, ModelRuns) else model_fingerprint(model, decoder_layers(model))
+    check = fp.rsplit("|", 1)[1].replace(":", "-")
     return cache_dir() / f"{base}-{check}.safetensors"
 
 
@@ -356,15 +381,15 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
               max_tokens: int = 512, ridge: float = 1e-3, model_name: str = "", save_every: float = 60.0,
               progress=None, also_fits: list[str] = (), horizon: int = HORIZON) -> tuple[LearnedWeights, dict]:
     """Fit and write the weights file `out` (the score and the decay map over `horizon` later queries); returns
-    (weights, report). Resumes from `<out>.partial.pt`. also_fits: fingerprints of other forms of this model (its
+    (weights, report). model: a transformers model (with its tokenizer) or a ModelRuns (tokenizer unused: a GGUF
+    through llama.cpp). Resumes from `<out>.partial.pt`. also_fits: fingerprints of other forms of this model (its
     GGUF conversions: llamacpp/gguf_file.py) recorded as fitting too; each must have the model's architecture and
     shapes. When no token has MIN_LAGS later queries (texts too short) the file has no decay map, said in the
     report."""
     if target not in TARGETS:
         raise EpiKVError(f"calibrate: target must be one of {', '.join(TARGETS)}, got {target!r}")
-    from .cache import decoder_layers
-
-    sig = model_signature(model)
+    runs = model if isinstance(model, ModelRuns) else torch_runs(model, tokenizer)
+    sig = runs.signature
     mine = json.dumps(sig, sort_keys=True)
     for f in also_fits:
         if f.rsplit("|", 1)[0] != mine:
@@ -396,12 +421,12 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
         for tid, text in texts:
             if tid in set(done):
                 continue
-            ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+            ids = torch.tensor([runs.tokenize(text)[:max_tokens]], dtype=torch.long)  # [1, T]
             if ids.shape[1] < 3:
                 done.append(tid)
                 continue
             rows = []  # the text's features and targets of every layer, added to the sums only once all are read
-            for x, attn, vals, wo in layer_run(model, ids):
+            for x, attn, vals, wo in runs.layers(ids):
                 ys = attention_targets(attn, vals, wo)
                 lb, ok = decay_targets(attn, vals.shape[0], horizon)
                 ok[0] = False  # the sink, as for the score
@@ -426,7 +451,7 @@ def calibrate(model, tokenizer, texts: list[tuple[str, str]], out: str, *, targe
     w, b, mu, sd, r2 = sums.solve(target, ridge)
     dw, db, dmeta, dreport = fit_decay(decay, mu, sd, ridge, horizon)
     meta = {"model": model_name or sig["model_type"], "signature": json.dumps(sig, sort_keys=True),
-            "fingerprint": model_fingerprint(model, decoder_layers(model)), "target": target,
+            "fingerprint": runs.fingerprint, "target": target,
             "texts": len([d for d in done if d in set(ids_all)]), "text_ids": ",".join(done), "tokens": tokens,
             "ridge": ridge, "max_tokens": max_tokens}
     if also_fits:

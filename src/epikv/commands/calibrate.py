@@ -15,7 +15,8 @@ HORIZON, MIN_LAGS = 256, 16
 
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="fit epikv-learned's score on a model's own attention",
-                       description="Run the model (eager attention, full cache) over a JSONL of texts and fit, per "
+                       description="Run the model (transformers' eager attention, or llama.cpp on a GGUF with "
+                                   "--engine llama.cpp; full cache) over a JSONL of texts and fit, per "
                                    "layer and KV head, a Ridge map from the hidden state entering attention to an "
                                    "attention-based target (KVzap's, or the mean future attention), and a second "
                                    "map to each token's log retention rate (epikv-learned-decay, TRIM-KV: the slope "
@@ -46,6 +47,9 @@ def register(sub) -> None:
                         "weights also fit: its fingerprint is recorded beside the model's, so --engine llama.cpp "
                         "accepts them for it (repeatable; its architecture and shapes must be the model's)")
     add_model_args(p)
+    from .engines import add_engine_args
+
+    add_engine_args(p)
     p.set_defaults(run=run)
 
 
@@ -55,7 +59,11 @@ def run(args) -> int:
     from ..models import load_model
     from ..progress import Progress
 
-    if args.attn not in (None, "eager"):
+    if args.engine == "llama.cpp":
+        from .engines import LlamaCppEngine
+
+        LlamaCppEngine.refuse_torch_options(args)
+    elif args.attn not in (None, "eager"):
         raise EpiKVError("calibrate reads attention weights: it runs eager attention (leave --attn out)")
     if args.horizon < MIN_LAGS:  # before the model loads
         raise EpiKVError(f"calibrate: --horizon must be at least {MIN_LAGS} later queries, got {args.horizon}")
@@ -67,14 +75,33 @@ def run(args) -> int:
         except argparse.ArgumentTypeError as e:
             raise EpiKVError(f"calibrate: the weights cache folder: {e} (set $EPIKV_WEIGHTS_DIR or give --out)") \
                 from None
-    lm = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                    attn_implementation="eager")
-    out = args.out or str(default_out(args.model, lm.model))
-    with Progress("calibrate", total=len(texts), unit="texts") as prog:
-        _, report = calibrate(lm.model, lm.tokenizer, texts, out, target=args.target,
-                              max_tokens=args.max_tokens, ridge=args.ridge, model_name=args.model, progress=prog,
-                              also_fits=also, horizon=args.horizon)
-    print(json.dumps(report))
+    if args.engine == "llama.cpp":  # the GGUF itself, through llama.cpp (llamacpp/calibrate.py)
+        from ..llamacpp import load_gguf
+        from ..llamacpp.calibrate import gguf_runs
+        from ..llamacpp.engine import default_threads
+        from ..llamacpp.model import gguf_path
+
+        gm = load_gguf(args.model)
+        model = gguf_runs(gm, gguf_path(args.model), args.max_tokens, args.threads or default_threads(),
+                          need_wo=args.target == "kvzap")
+        tokenizer = None
+    else:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        lm = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                        attn_implementation="eager")
+        model, tokenizer = lm.model, lm.tokenizer
+    out = args.out or str(default_out(args.model, model))
+    try:
+        with Progress("calibrate", total=len(texts), unit="texts") as prog:
+            _, report = calibrate(model, tokenizer, texts, out, target=args.target,
+                                  max_tokens=args.max_tokens, ridge=args.ridge, model_name=args.model,
+                                  progress=prog, also_fits=also, horizon=args.horizon)
+    finally:
+        getattr(model, "close", lambda: None)()
+    print(json.dumps({**report, "engine": args.engine}))
     return 0
 
 
