@@ -1097,7 +1097,21 @@ def _env() -> dict:
     return env
 
 
+def calibrate_speed() -> str:
+    """docs/policies.md: `epikv calibrate` through llama.cpp against transformers, from the interleaved rows."""
+    f = "calibrate-speed/speed.json"
+    d = json.loads((RESULTS / f).read_text(encoding="utf-8"))
+    rows = [[f"{r['max_tokens']:,}", r["texts"], f"{r['torch_s_per_text']:.2f}", f"{r['llama_cpp_s_per_text']:.2f}",
+             f"{r['llama_cpp_over_torch']:.2f}x"] for r in d["summary"]]
+    return (table(["tokens a text", "texts", "transformers s / text", "llama.cpp s / text", "llama.cpp / transformers"],
+                  rows)
+            + f"\n\nMedians of {max(r['round'] for r in d['runs']) + 1} interleaved rounds, one thread each, "
+              f"{d['cpu']} ({d['cpus']} cores), the fit loop of a fresh `epikv calibrate` on the embedded SmolLM2.\n\n"
+            + source_line([f], d["command"]))
+
+
 RENDERERS = {
+    "calibrate-speed": calibrate_speed,
     "headline": headline,
     "retention-vs-random": retention_vs_random,
     "default-claim": default_claim,
