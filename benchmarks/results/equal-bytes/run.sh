@@ -12,6 +12,8 @@
 # a killed run goes on with the same command; two copies (one per core) split the work through the store's claims.
 #   R=benchmarks/results/equal-bytes
 #   setsid nohup bash $R/run.sh > $R/log-1.txt 2>&1 &  setsid nohup bash $R/run.sh > $R/log-2.txt 2>&1 &
+# POLICIES, ORDER (trace indices) and TYPES (cell types, in order) may be set to split the work between workers
+# (each invocation claims its cells in the store, so workers on one trace and type split its budgets).
 set -uo pipefail
 R=${R:-benchmarks/results/equal-bytes}
 EPIKV=${EPIKV:-epikv}
@@ -21,7 +23,7 @@ POLICIES=${POLICIES:-'full,random,streaming,context-shift[n_keep=-1],epikv-seg-q
 FIRST='0 1 2 11 17 13 26'
 ORDER=${ORDER:-"$FIRST $(seq 0 27 | grep -vxE "${FIRST// /|}" | tr '\n' ' ')"}
 for i in $ORDER; do
-  for T in f16 q8_0 q4_0; do
+  for T in ${TYPES:-f16 q8_0 q4_0}; do
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $EPIKV retention --engine llama.cpp --model smollm2 --threads 1 \
       --flash-attn on --cache-type-k $T --cache-type-v $T --no-report --tau 16 --traces shared-28 \
       --skip "$i" --limit 1 --kv-memory 12MiB,24MiB --policies "$POLICIES" --out "$R/$T" || exit $?
