@@ -873,7 +873,7 @@ def _fair_headline(rows: list[dict], first_run: list[dict] | None = None) -> lis
 
 
 # the default policy's newest single-sequence step measurement (its code version: issue 50's one-layer mirror)
-DEFAULT_STEP = "llamacpp/step-seg-q-issue50.json"
+DEFAULT_STEP = "llamacpp/step-seg-q-issue56.json"  # the default's step as it ships (arriving keys scored every 16 tokens)
 
 
 def headline() -> str:
@@ -1129,6 +1129,7 @@ RENDERERS = {
     "serve-llama-server-fair-4096": serve_llama_server_fair_4096,
     "serve-profile": serve_profile,
     "llamacpp-step-seg-q-issue50": lambda: llamacpp_step("llamacpp/step-seg-q-issue50.json"),
+    "llamacpp-step-seg-q-issue56": lambda: llamacpp_step("llamacpp/step-seg-q-issue56.json"),
     "serve-ab-issue50": serve_ab,
     "soak": soak,
     "serve-load": serve_load,
