@@ -275,6 +275,7 @@ class ModelRuns:
     fingerprint: str
     tokenize: Callable[[str], list[int]]
     layers: Callable[[torch.Tensor], list[tuple]]
+    close: Callable[[], None] = lambda: None  # frees what the runs hold (a llama.cpp context)
 
 
 def torch_runs(model, tokenizer) -> ModelRuns:

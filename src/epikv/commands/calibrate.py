@@ -100,7 +100,8 @@ def run(args) -> int:
                                   max_tokens=args.max_tokens, ridge=args.ridge, model_name=args.model,
                                   progress=prog, also_fits=also, horizon=args.horizon)
     finally:
-        getattr(model, "close", lambda: None)()
+        if args.engine == "llama.cpp":
+            model.close()
     print(json.dumps({**report, "engine": args.engine}))
     return 0
 

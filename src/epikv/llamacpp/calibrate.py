@@ -120,7 +120,5 @@ def gguf_runs(gm: GGUFModel, path: str | Path, max_tokens: int, threads: int, ne
         if "ctx" in state:
             lib.load().ll.llama_free(state.pop("ctx"))
 
-    runs = ModelRuns(gguf_signature(read_header(path)), gguf_fingerprint(path),
-                     lambda text: gm.tokenizer.encode(text, True), layers)
-    runs.close = close  # type: ignore[attr-defined]
-    return runs
+    return ModelRuns(gguf_signature(read_header(path)), gguf_fingerprint(path),
+                     lambda text: gm.tokenizer.encode(text, True), layers, close)

@@ -175,8 +175,8 @@ def plan_peak(gm, policy, budget: int, type_k: str = "f16", type_v: str = "f16",
     - a step at the peak: peak_cells x (cell + mirror row), the rows waiting to be scored or for their statistic, the
       queries. Rows wait until a flush: up to the recent window for the hidden-state policies, whose scoring is
       deferred (sequence.flush), at most sequence.ARRIVING_EVERY where arriving keys / values wait too, one step's
-      for the others; `step_tokens` tokens arrive a step (1 when generating,
-      tau where `retention` feeds chunks of tau), so at most (flush interval - 1 + step_tokens) rows wait;
+      for the others; `step_tokens` tokens arrive a step (1 when generating, the chunk where `retention` feeds
+      chunks: retention.llamacpp.feed_chunk), so at most (flush interval - 1 + step_tokens) rows wait;
     - the prompt's last micro-batch: the prompt's cells with the mirror's rows, and its rows still waiting (every
       prompt row, or with `n_batch` (the prefill's micro-batch) at most flush interval - 1 + n_batch of them).
     The prompt is `prompt_tokens` long where the caller knows it (`retention` knows its traces), else the longest a

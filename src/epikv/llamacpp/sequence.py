@@ -41,7 +41,7 @@ SEQUENCE_BUFFERS = ("mirror", "waiting_hidden", "waiting_kv", "queries", "token_
 
 
 # Arriving keys / values (every layer's, for a statistic taken on arrival: Seg, Seg-Q) are the largest buffer a
-# token has (at F16, two cells' worth a token): their scoring is due at least this often, however long the recent
+# token has (one F16 cell's worth a token at float32, for Seg-Q's keys): their scoring is due at least this often, however long the recent
 # window that lets the hidden-state rows wait (flush: chunked scoring gives the same scores, tests/test_signals.py)
 ARRIVING_EVERY = 16
 
@@ -71,11 +71,11 @@ def kv_plan(obs, n_layers: int) -> dict[str, list[int]]:
     return {"mirror": mirror, "capture": list(range(n_layers)) if obs.arriving_kv else mirror}
 
 
-def _layers(rows, layers: list[int], copy: bool = False) -> np.ndarray:
+def _layers(rows, layers: list[int]) -> np.ndarray:
     """[len(layers), t, heads, head_dim] of a kind's captured rows (capture.LayerRows: one slice when every layer
     it holds is asked for; a plain layer -> rows dict: stacked)."""
     if isinstance(rows, LayerRows) and rows.layers == layers:
-        return rows.stacked.copy() if copy else rows.stacked
+        return rows.stacked  # a view: callers copy or cast what they keep
     return np.stack([rows[l] for l in layers])
 
 
@@ -152,6 +152,7 @@ class SequenceCache:
         self.kv_layers = plan["capture"]  # the layers captured at each decode (every one for arrival statistics)
         self._needs_kv = bool(self.mirror_layers)
         self._arriving_kv = bool(obs.arriving_kv)
+        self._arriving_np = arriving_dtype(kv_dtype)  # the type arriving rows wait in (astype copies them)
         self.kv_parts = "".join(k for k in "kv" if k in obs.kv_parts) if self.kv_layers else ""  # what is read
         self._n_queries = int(obs.queries)
         self.query_layers = sorted(obs.query_layers or range(n_layers)) if obs.queries else []
@@ -286,7 +287,7 @@ class SequenceCache:
             for p, kind in enumerate(parts):  # [L, t, H, d] -> [L, H, t, d], cast to the cache's type (round to even)
                 self._kv_np[p, :, :, n_old : n_old + t] = _layers(attn[kind], layers).transpose(0, 2, 1, 3)
         if self._arriving_kv:
-            at = arriving_dtype(self.kv_dtype)  # cast as the policy reads them (a copy)
+            at = self._arriving_np
             self._arriving.append({kind: _layers(attn[kind], self.kv_layers).astype(at) for kind in self.kv_parts})
             self._arriving_bytes += sum(a.nbytes for a in self._arriving[-1].values())
         w = self._n_queries
