@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from epikv.retention.bootstrap import problem_bootstrap
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "benchmarks" / "results" / "equal-bytes"
 FIGURE = ROOT / "docs" / "img" / "equal-bytes.png"
@@ -36,34 +38,12 @@ TYPES = ("f16", "q8_0", "q4_0")
 EPIKV = ("epikv-seg-q", "epikv-learned-mean")  # the epikv rows the goal compares
 BASELINES = ("context-shift", "random", "streaming")
 N_BOOT = 4000
-MIN_PROBLEMS = 5  # an interval needs at least this many problems among the paired traces
-
-
-def problem_of(trace_id: str) -> str:
-    """The problem a trace answers (`.../problem_1591/correct` -> problem_1591): the unit the bootstrap resamples."""
-    m = re.search(r"problem_[^/]+", trace_id)
-    return m.group(0) if m else trace_id
 
 
 def cluster_ci(diffs: dict[str, float], n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high) of the mean over traces, 95 % percentile interval from resampling problems with
-    replacement (all of a drawn problem's traces come with it); no interval (nan) under MIN_PROBLEMS problems."""
-    if not diffs:
-        return float("nan"), float("nan"), float("nan")
-    by_problem: dict[str, list[float]] = defaultdict(list)
-    for tid, d in diffs.items():
-        by_problem[problem_of(tid)].append(d)
-    groups = list(by_problem.values())
-    mean = float(np.mean([d for g in groups for d in g]))
-    if len(groups) < MIN_PROBLEMS:  # a bootstrap over fewer problems says nothing: the mean alone
-        return mean, float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    sums = np.array([sum(g) for g in groups])
-    counts = np.array([len(g) for g in groups])
-    idx = rng.integers(0, len(groups), size=(n_boot, len(groups)))  # [resamples, problems]
-    means = sums[idx].sum(1) / counts[idx].sum(1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return mean, float(lo), float(hi)
+    """(mean, low, high): epikv.retention.bootstrap.problem_bootstrap's interval (problems resampled; nan under
+    MIN_PROBLEMS problems)."""
+    return problem_bootstrap(diffs, n_boot, seed)[:3]
 
 
 def parse_size(text: str) -> int:

@@ -98,6 +98,43 @@ def aggregate(records, metrics=METRICS, confidence: float = 0.95, n_resamples: i
     return rows
 
 
+MIN_PROBLEMS = 5  # a problem bootstrap needs at least this many problems among the paired traces
+
+
+def problem_of(trace_id: str) -> str:
+    """The problem a trace answers (`.../problem_1591/correct` -> problem_1591): the unit a problem bootstrap
+    resamples (the shared traces are several traces of each problem, so traces of one problem are not independent)."""
+    import re
+
+    m = re.search(r"problem_[^/]+", trace_id)
+    return m.group(0) if m else trace_id
+
+
+def problem_bootstrap(diffs: dict[str, float], n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float, float]:
+    """(mean, low, high, p) of the mean over traces of paired differences {trace_id: difference}: the 95 % percentile
+    interval from resampling problems with replacement (all of a drawn problem's traces come with it), and the
+    two-sided bootstrap p-value, twice the smaller share of resampled means on either side of 0 (capped at 1). Under
+    MIN_PROBLEMS problems there is no interval and no p (nan): a bootstrap over so few says nothing."""
+    nan = float("nan")
+    if not diffs:
+        return nan, nan, nan, nan
+    by_problem: dict[str, list[float]] = defaultdict(list)
+    for tid, d in diffs.items():
+        by_problem[problem_of(tid)].append(d)
+    groups = list(by_problem.values())
+    mean = float(np.mean([d for g in groups for d in g]))
+    if len(groups) < MIN_PROBLEMS:
+        return mean, nan, nan, nan
+    rng = np.random.default_rng(seed)
+    sums = np.array([sum(g) for g in groups])
+    counts = np.array([len(g) for g in groups])
+    idx = rng.integers(0, len(groups), size=(n_boot, len(groups)))  # [resamples, problems]
+    means = sums[idx].sum(1) / counts[idx].sum(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    p = min(1.0, 2 * min(float((means <= 0).mean()), float((means >= 0).mean())))
+    return mean, float(lo), float(hi), p
+
+
 def per_trace(records, metric: str) -> dict[tuple, dict[str, float]]:
     """{(policy, budget): {trace_id: value}} for the retention records that carry `metric`."""
     out: dict[tuple, dict[str, float]] = defaultdict(dict)
