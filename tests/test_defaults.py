@@ -13,7 +13,7 @@ import pytest
 
 import epikv
 from epikv.cli import build_parser
-from epikv.policies import DEFAULT_POLICY, ENTRY_DEFAULTS, default_policy, get_policy
+from epikv.policies import DEFAULT_POLICY, ENTRY_DEFAULTS, DefaultName, default_policy, get_policy
 from epikv.support import ENTRY_POINTS, entry_point, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +64,12 @@ def test_the_cli_defaults_to_the_constant():
     assert p.parse_args(["generate", "--prompt", "x", "--engine", "llama.cpp"]).policy == DEFAULT_POLICY
     assert p.parse_args(["eval", "--out", "o", "--dataset", "math500"]).policies == [DEFAULT_POLICY]
     assert p.parse_args(["serve"]).policy is None  # resolved by --engine in `serve`'s run (default_policy)
+    # no --policy: the default as a DefaultName, so an engine may fall back where the model cannot run it; a named
+    # policy and a measurement's list are plain names, refused rather than replaced (mutant: [DEFAULT_POLICY] lists)
+    assert isinstance(p.parse_args(["generate", "--prompt", "x"]).policy, DefaultName)
+    assert not isinstance(p.parse_args(["generate", "--prompt", "x", "--policy", str(DEFAULT_POLICY)]).policy, DefaultName)
+    assert not isinstance(p.parse_args(["eval", "--out", "o", "--dataset", "math500"]).policies[0], DefaultName)
+    assert all(isinstance(default_policy(e.key), DefaultName) for e in ENTRY_POINTS if e.has_default)
     assert p.parse_args(["policies"])  # the command exists
     help_text = p._subparsers._group_actions[0].choices["generate"].format_help()
     assert DEFAULT_POLICY in " ".join(help_text.split())
@@ -93,3 +99,4 @@ def test_the_defaults_rest_on_the_raw_retention_files():
         assert _vs(cells, name, "random", 1024) < 0, name
         for k in (512, 1024, 2048):
             assert _vs(cells, name, "epikv", k) < 0, (name, k)
+

@@ -313,3 +313,70 @@ def test_add_fingerprints_rewrites_the_header_only(tmp_path):
                                                          sig + "|gguf:00000000000000cc"]
     with pytest.raises(EpiKVError, match="another shape"):
         add_fingerprints(path, [sig.replace('"layers": 4', '"layers": 30') + "|gguf:00000000000000dd"])
+
+
+def test_the_default_falls_back_where_no_weights_fit_and_a_named_policy_is_refused(tiny, tmp_path, monkeypatch):
+    """Issue 57 item 4's fallback: a learned policy given as the default (DefaultName: no policy named) on a model no
+    weights were fitted on runs FALLBACK_POLICY instead with one DefaultFallbackWarning, in the torch engine, the
+    paged server's check and the llama.cpp decoder (a same-shape fine-tune of the embedded GGUF); the same name given
+    as a plain string is refused in one line. Mutants: the fallback taken for any policy (the named one runs
+    streaming), no warning, the fallback without the caller's tau."""
+    import warnings
+
+    from epikv.cache import EpiKVCache
+    from epikv.errors import DefaultFallbackWarning
+    from epikv.policies import FALLBACK_POLICY, DefaultName
+    from epikv.serving import ServeSpec, check_serving
+
+    monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path / "empty"))
+    default = DefaultName("epikv-learned-decay")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        cache = EpiKVCache(tiny.model, default, budget=24, tau=4)
+        spec = ServeSpec(policy=default, budget=64, page=8, num_blocks=32, max_batch_tokens=32)
+        served = check_serving(tiny.model, spec)
+    assert cache.policy.name == FALLBACK_POLICY and cache.policy.tau == 4 and served.name == FALLBACK_POLICY
+    msgs = [str(w.message) for w in got if issubclass(w.category, DefaultFallbackWarning)]
+    assert len(msgs) == 2 and all("\n" not in m and FALLBACK_POLICY in m and "epikv-learned-decay" in m
+                                  for m in msgs), msgs
+    for named in ("epikv-learned-decay", str(default)):
+        with pytest.raises(EpiKVError):
+            EpiKVCache(tiny.model, named, budget=24)
+    with pytest.raises(EpiKVError):  # a default with its own settings was chosen by the caller: refused too
+        EpiKVCache(tiny.model, default, budget=24, per_token=False, beta=0.5)
+
+
+def test_llamacpp_default_falls_back_on_a_gguf_no_weights_fit(tmp_path, monkeypatch):
+    """The llama.cpp decoder on a same-shape fine-tune of the embedded GGUF: the default runs FALLBACK_POLICY, a named
+    learned policy is refused, and the embedded GGUF itself runs the learned default (its weights ship). Mutant: the
+    fallback taken where the weights fit."""
+    import warnings
+
+    from epikv.errors import DefaultFallbackWarning
+    from epikv.llamacpp import LlamaDecoder, load_gguf
+    from epikv.llamacpp.gguf_file import read_header
+    from epikv.policies import FALLBACK_POLICY, DefaultName
+
+    monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path / "empty"))
+    tuned = tmp_path / "tuned.gguf"
+    shutil.copyfile(_embedded_gguf(), tuned)
+    t = read_header(tuned).tensors["blk.0.attn_q.weight"]
+    with open(tuned, "r+b") as f:
+        f.seek(t.offset + 4)
+        b = f.read(16)
+        f.seek(t.offset + 4)
+        f.write(bytes(x ^ 0x11 for x in b))
+    default = DefaultName("epikv-learned-decay")
+    for path, want in ((tuned, FALLBACK_POLICY), (_embedded_gguf(), "epikv-learned-decay")):
+        gm = load_gguf(str(path))
+        try:
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                dec = LlamaDecoder(gm, default, 64, max_tokens=80, threads=1)
+            assert dec.policy.name == want
+            assert any(issubclass(w.category, DefaultFallbackWarning) for w in got) == (want == FALLBACK_POLICY)
+            if want == FALLBACK_POLICY:
+                with pytest.raises(EpiKVError):
+                    LlamaDecoder(gm, "epikv-learned-decay", 64, max_tokens=80, threads=1)
+        finally:
+            gm.close()

@@ -23,13 +23,19 @@ from .errors import EpiKVError
 from .hooks import (_after_stack_hook, _attention_hook, _before_stack_hook, _check_hybrid_policy,  # noqa: F401
                     _hidden_hook, _install_hook, _query_hook, attention_layout, cache_kwarg, decoder_layers,
                     rope_frequencies)
-from .policies import DEFAULT_POLICY, CacheView, Policy, get_policy
+from .policies import DEFAULT_POLICY, CacheView, Policy, for_model, get_policy
 from .policy_state import BufferBytes, PolicyState, held_bytes
 from .signals import model_depth
 
 
 # the buffers the torch cache keeps for its policy besides the keys and values (policy_state.BUFFER_KINDS)
 CACHE_BUFFERS = ("queries", "token_data", "policy_state", "slot_map")
+
+
+def _check_learned(policy: Policy, fingerprint: str, n_layers: int) -> None:
+    """A policy with learned weights checks them against the model (policies/learned.py); others have nothing to."""
+    if getattr(policy, "check_model", None) is not None:
+        policy.check_model(fingerprint, n_layers)
 
 
 class EpiKVCache(Cache):
@@ -59,6 +65,12 @@ class EpiKVCache(Cache):
         self.policy = get_policy(policy, tau=tau, **policy_settings)
         layers = decoder_layers(model)
         self.n_layers = model_depth(model.config, len(layers))  # an int that also names the architecture
+        if getattr(self.policy, "check_model", None) is not None:  # learned weights: fitted on this very model?
+            from .fingerprint import model_fingerprint
+
+            fp = model_fingerprint(model, layers)
+            # the default (no policy named) falls back where no weights fit this model; a named one is refused
+            self.policy = for_model(self.policy, lambda p: _check_learned(p, fp, self.n_layers), tau=tau)
         sliding, self.window = attention_layout(model, self.n_layers)
         if sliding and len(sliding) == self.n_layers:
             if self.policy.evicts:
@@ -72,10 +84,6 @@ class EpiKVCache(Cache):
         self.budget = budget if self.policy.evicts else None
         self.tau = self.policy.tau
         self.recent = self.policy.recent_window(budget) if self.policy.evicts else 0
-        if getattr(self.policy, "check_model", None) is not None:  # learned weights: fitted on this very model?
-            from .fingerprint import model_fingerprint
-
-            self.policy.check_model(model_fingerprint(model, layers), self.n_layers)
         obs = self.policy.observes(self.n_layers)
         from .policies.base import check_true_positions
         from .signals import check_layers

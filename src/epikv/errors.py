@@ -12,3 +12,12 @@ class ContextWarning(UserWarning):
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class DefaultFallbackWarning(ContextWarning):
+    """No policy was named and the default cannot run on this model (its learned weights were fitted on other
+    models, or its layers are sliding-window): the fallback runs instead (`epikv.policies.for_model`). The CLI prints
+    it as one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "default-fallback")

@@ -157,7 +157,8 @@ def run_serve(args) -> int:
     if args.policies is None:
         from ..policies import default_policy
 
-        args.policies = ["full", default_policy("serve-llama.cpp" if args.engine == "llama.cpp" else "serve-torch")]
+        entry = "serve-llama.cpp" if args.engine == "llama.cpp" else "serve-torch"
+        args.policies = ["full", str(default_policy(entry))]  # a measurement runs what it names: no fallback
     names = list(dict.fromkeys(args.policies))
     settings = settings_by_policy(args, names)  # unknown names and stray --set refused before anything starts
     llama = args.engine == "llama.cpp"

@@ -273,7 +273,7 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
     g = p.add_argument_group("eviction")
     if multi:
         said = "" if own_default else f" ({also + ' and ' if also else ''}{default_policy_help(by_engine)})"
-        g.add_argument("--policies", type=policy_list, default=None if by_engine or own_default else [DEFAULT_POLICY],
+        g.add_argument("--policies", type=policy_list, default=None if by_engine or own_default else [str(DEFAULT_POLICY)],
                        help=f"comma-separated policy names{said}")
         g.add_argument("--budgets", type=int_list, default=[1024], action=_Given,
                        help="comma-separated cache budgets K (each peaks at K + tau tokens: K + tau - 1 between "

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import EpiKVError
 from ..interrupts import interrupts_held
-from ..policies import DEFAULT_POLICY, Policy, get_policy
+from ..policies import DEFAULT_POLICY, Policy, for_model, get_policy
 from ..signals import check_layers
 from . import lib
 from .capture import BlockCapture
@@ -95,7 +95,8 @@ def checked_policy(gm: GGUFModel, policy: str | Policy, budget: int | None, tau:
                    **policy_settings) -> tuple[Policy, list[int]]:
     """The policy and the blocks it reads, refused in one line where llama.cpp or this model cannot run it."""
     pol = get_policy(policy, tau=tau, **policy_settings)
-    check_model_policy(gm, pol)
+    # the default (no policy named) falls back where this model cannot run it; a named policy is refused
+    pol = for_model(pol, lambda p: check_model_policy(gm, p), tau=tau)
     if pol.evicts:
         gm.check_evictable()
         if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -375,7 +376,8 @@ def generate(gm: GGUFModel, prompt: str | Sequence[int], *, policy: str | Policy
     tok = gm.tokenizer
     ids = encode_prompts(tok, [prompt], chat=chat, system=system)[0]
     pol = get_policy(policy, tau=tau, **policy_settings)
-    check_model_policy(gm, pol)
+    # the default (no policy named) falls back where this model cannot run it; a named policy is refused
+    pol = for_model(pol, lambda p: check_model_policy(gm, p), tau=tau)
     shim = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=gm.n_ctx_train or None))
     check_context(shim, pol, budget, len(ids), max_new_tokens, allow_beyond_context)
     # prompt chunks of at most 512 tokens, so an evicting context is about budget + prompt cells: freed cells are

@@ -60,8 +60,20 @@ REGISTRY: dict[str, type[Policy]] = {
 # streaming is as good within the intervals (mean -0.022 / -0.029 / -0.003 at K = 512 / 1024 / 2048 against
 # epikv-seg-q's -0.002 / -0.024 / -0.006); h2o and tova measured a little better but read attention weights (eager
 # attention; llama.cpp and the paged server refuse them). tests/test_defaults.py checks these claims on the raw files.
-DEFAULT_POLICY = "epikv-seg-q"
+class DefaultName(str):
+    """The default policy's name as an entry point receives it when its caller names none: equal to the plain name
+    everywhere, but recognisable, so that an engine falls back (one warning line, `for_model`) where this model cannot
+    run the default, while a policy the caller names (any plain string) is refused there instead."""
+
+    __slots__ = ()
+
+
+DEFAULT_POLICY = DefaultName("epikv-seg-q")
 """The policy every entry point runs when none is named (where an entry point refuses it: ENTRY_DEFAULTS)."""
+FALLBACK_POLICY = "streaming"
+"""What runs, with one warning line, when no policy is named and the model cannot run DEFAULT_POLICY (learned weights
+fitted on other models only): the best measured per-token policy of the whole-trace ranking that needs no fitted
+weights and runs on every model (benchmarks/whole_traces.py; tests/test_defaults.py)."""
 # Entry points that refuse DEFAULT_POLICY (their check: epikv.support), each with the best measured policy it runs,
 # from the same raw files. None today: the torch paged server runs epikv-seg-q at page granularity too.
 ENTRY_DEFAULTS: dict[str, str] = {}
@@ -71,7 +83,7 @@ ENTRY_DEFAULTS: dict[str, str] = {}
 def default_policy(entry: str | None = None) -> str:
     """The policy an entry point uses when none is named: DEFAULT_POLICY, or where that entry point refuses it the
     one in ENTRY_DEFAULTS (keys: epikv.support.ENTRY_POINTS' keys; None: the torch engine)."""
-    return ENTRY_DEFAULTS.get(entry, DEFAULT_POLICY) if entry else DEFAULT_POLICY
+    return DefaultName(ENTRY_DEFAULTS[entry]) if entry in ENTRY_DEFAULTS else DEFAULT_POLICY
 
 
 def policy_names() -> list[str]:
@@ -125,7 +137,38 @@ def get_policy(name: str | Policy, **settings) -> Policy:
     unknown = sorted(k for k in given if k not in fields)
     if unknown:
         raise EpiKVError(f"policy {name!r} has no setting {', '.join(unknown)}; its settings: {', '.join(sorted(fields))}")
-    return cls(**given)
+    pol = cls(**given)
+    if isinstance(name, DefaultName) and not set(given) - _ENGINE_SETTINGS:  # its own settings: the caller chose it
+        pol.fallback = FALLBACK_POLICY  # not a setting: where this model cannot run the default (for_model)
+    return pol
+
+
+_ENGINE_SETTINGS = {f.name for f in dataclasses.fields(Policy)}  # tau, recent, page ...: every policy has them
+
+
+def for_model(policy: Policy, check, build=None, **settings) -> Policy:
+    """`check(policy)` raises EpiKVError (one line) where this model cannot run the policy (the engines' model checks:
+    learned weights fitted on this model, ...). A policy built from DEFAULT_POLICY with no name given
+    (get_policy(DEFAULT_POLICY)) then falls back to FALLBACK_POLICY, built by `build(name)` (default: get_policy with
+    `settings`, e.g. tau), with one DefaultFallbackWarning; any other policy is refused with the check's error."""
+    import warnings
+
+    from ..errors import DefaultFallbackWarning
+
+    try:
+        check(policy)
+        return policy
+    except EpiKVError as e:
+        fb = getattr(policy, "fallback", None)
+        if fb is None:
+            raise
+        why = str(e)
+    out = build(fb) if build is not None else get_policy(fb, **settings)
+    check(out)
+    warnings.warn(DefaultFallbackWarning(f"the default policy {policy.name} cannot run on this model ({why}): running "
+                                         f"{fb} instead, the best measured policy that runs on any model "
+                                         "(docs/choosing.md); --policy chooses another"), stacklevel=3)
+    return out
 
 
 def _same(a, b) -> bool:
@@ -215,5 +258,5 @@ def load_policy_plugins() -> None:
         _loaded_plugins.add(label)
 
 
-__all__ = ["DEFAULT_POLICY", "ENTRY_DEFAULTS", "REGISTRY", "CacheView", "default_policy", "Observes", "Policy", "StepObservation", "get_policy", "policy_class",
+__all__ = ["DEFAULT_POLICY", "FALLBACK_POLICY", "DefaultName", "for_model", "ENTRY_DEFAULTS", "REGISTRY", "CacheView", "default_policy", "Observes", "Policy", "StepObservation", "get_policy", "policy_class",
            "load_policy_plugins", "policy_names", "register_policy", "select_keep"]

@@ -8,6 +8,8 @@ constructor. The options were checked by the CLI (epikv.commands.serve) when it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 import sys
 
@@ -47,7 +49,9 @@ def prepare(cfg: ServeConfig):
                      num_blocks=cfg.num_blocks, max_batch_tokens=cfg.max_batch_tokens, recency=cfg.recent, tau=cfg.tau)
     lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, device_map=cfg.device_map,
                     attn_implementation=cfg.attn)
-    check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
+    pol = check_serving(lm.model, spec)  # refusals (EpiKVError, one line) before the port is bound
+    if pol.name != spec.policy:  # the default fell back on this model (one warning line): serve and report that one
+        spec = dataclasses.replace(spec, policy=pol.name, settings={})
     return lambda: _start_torch(cfg, lm, spec)
 
 
@@ -108,7 +112,8 @@ def _prepare_llamacpp(cfg: ServeConfig):
 
     from ..llamacpp import load_gguf
     from ..llamacpp.kvtypes import budget_for_memory, resolve_flash_attn
-    from ..policies import get_policy
+    from ..llamacpp.engine import check_model_policy
+    from ..policies import for_model, get_policy
     from .llamacpp import LlamaBackend
 
     # the policy's tensors here are a few rows per token: one torch thread (more only hand work between threads
@@ -120,7 +125,8 @@ def _prepare_llamacpp(cfg: ServeConfig):
     notes = [note] if note else []
     budget = cfg.budget
     if cfg.kv_memory is not None:  # a sequence's peak KV bytes, cells and policy buffers: the budget it picks
-        pol = get_policy(cfg.policy, tau=cfg.tau, **cfg.settings)
+        pol = for_model(get_policy(cfg.policy, tau=cfg.tau, **cfg.settings), lambda p: check_model_policy(gm, p),
+                        tau=cfg.tau)  # the default's fallback too
         plan = budget_for_memory(gm, pol, cfg.kv_memory, cfg.cache_type_k, cfg.cache_type_v)
         budget = plan.budget
         notes.append(f"--kv-memory {cfg.kv_memory} bytes with {cfg.cache_type_k}/{cfg.cache_type_v} cells: "
@@ -145,7 +151,7 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
                         max_positions=gm.n_ctx_train or None,
                         total_limit=None if cfg.evicts else backend.stream_cells, max_waiting=cfg.max_waiting,
                         request_timeout=cfg.request_timeout, reasoning_parser=cfg.reasoning_parser,
-                        info={"model": cfg.model, "engine": "llama.cpp", "policy": cfg.policy,
+                        info={"model": cfg.model, "engine": "llama.cpp", "policy": backend.policy.name,
                               "budget": backend.budget, "ctx": backend.cells, "sequences": cfg.sequences,
                               "kv": "streams" if backend.streams else "unified", "stream_cells": backend.stream_cells,
                               "max_batch_tokens": cfg.max_batch_tokens, "threads": backend.threads,
@@ -156,7 +162,7 @@ def _start_llamacpp(cfg: ServeConfig, gm, backend):
     except BaseException:
         stop_engine(backend)
         raise
-    what = cfg.policy + (f" K={backend.budget}" if backend.budget else "")
+    what = backend.policy.name + (f" K={backend.budget}" if backend.budget else "")  # the default's fallback too
     cells = (f"{cfg.sequences} streams of {backend.stream_cells} cells" if backend.streams else
              f"{backend.cells} cells, {cfg.sequences} sequences")
     kv = backend.n_ctx * backend.cell_bytes

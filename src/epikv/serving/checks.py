@@ -86,9 +86,12 @@ def build_policy(spec: ServeSpec):
                          "states, keys/values or one layer's recomputed queries at token granularity: epikv, epikv-raw, "
                          "epikv-seg, epikv-seg-q, streaming, random, kv-key, lag-kv, ...)")
     try:
-        return dataclasses.replace(pol, page=spec.page)
+        paged = dataclasses.replace(pol, page=spec.page)
     except EpiKVError as e:
         raise EpiKVError(str(e)) from None
+    if hasattr(pol, "fallback"):  # the default (no policy named): keeps its fallback (policies.for_model)
+        paged.fallback = pol.fallback
+    return paged
 
 
 def check_spec(spec: ServeSpec, cb_fields: set | None = None) -> Any:
@@ -242,12 +245,19 @@ def check_serving(model, spec: ServeSpec):
                          "destroy it first (model.destroy_cached_continuous_batching_manager())")
     check_model(model, pol)
     if getattr(pol, "check_model", None) is not None:  # learned weights: fitted on this very model?
+        import dataclasses
+
+        from ..cache import _check_learned, decoder_layers
         from ..fingerprint import model_fingerprint
-        from ..cache import decoder_layers
+        from ..policies import for_model
         from ..signals import model_depth
 
         layers = decoder_layers(model)
-        pol.check_model(model_fingerprint(model, layers), model_depth(model.config, len(layers)))
+        fp, depth = model_fingerprint(model, layers), model_depth(model.config, len(layers))
+        # the default (no policy named) falls back where no weights fit this model; a named one is refused
+        pol = for_model(pol, lambda p: _check_learned(p, fp, depth),
+                        build=lambda name: check_spec(dataclasses.replace(spec, policy=name, settings={}),
+                                                      cb_config_fields(cb_cls)))
     return pol
 
 
