@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -673,34 +674,41 @@ def _retention_records() -> tuple[list[str], dict]:
     return files, cells
 
 
-def default_claim() -> str:
-    """The README's sentence on the default: its answer-NLL change against random, and streaming's, at each budget
-    of the whole-trace run (the same cells as retention_vs_random), and whether any survives Holm's correction."""
-    from epikv.policies import DEFAULT_POLICY
-    from epikv.retention.bootstrap import holm, signed_rank_p
+def default_whole_traces() -> str:
+    """The README's sentence on the default from issue 57's whole-trace run through llama.cpp: its answer-NLL change
+    against random and against streaming at each budget, with the problem-bootstrap interval and whether it survives
+    Holm's correction over the table (benchmarks/whole_traces.py), and the ranking it was chosen from."""
+    from epikv.policies import DEFAULT_POLICY, FALLBACK_POLICY
 
-    files, cells = _retention_records()
-    budgets = sorted({k for p, k in cells if p == DEFAULT_POLICY and ("random", k) in cells})
+    mod = _bench_module("whole_traces")
+    data = {e: mod.load(e, RESULTS) for e in mod.SOURCES}
+    s = mod.summarise(data)
+    rows = {r["budget"]: r for r in s["rows"] if r["engine"] == "llama.cpp" and r["policy"] == DEFAULT_POLICY}
+    if not rows:
+        raise RenderError(f"benchmarks/results/{mod.SOURCES['llama.cpp'][0]} has no row of the default "
+                          f"{DEFAULT_POLICY}")
 
-    def diffs(p):
+    def vs(ref):
         out = []
-        for k in budgets:
-            mine, ref = cells[(p, k)], cells[("random", k)]
-            both = sorted(set(mine) & set(ref))
-            out.append([mine[t] - ref[t] for t in both])
-        return out
+        for k in sorted(rows):
+            d = rows[k]["vs"].get(ref)
+            if d is None:
+                continue
+            ci = "" if math.isnan(d["low"]) else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
+            held = "survives" if d.get("p_holm", 1) < 0.05 else "does not survive"
+            out.append(f"{d['mean']:+.3f}{ci} at K = {k:,} ({d['wins']} of {d['n']} traces; {held} Holm's correction)")
+        return "; ".join(out)
 
-    mine, stream = diffs(DEFAULT_POLICY), diffs("streaming")
-    adj = holm([signed_rank_p(d) for d in mine])
-    fmt = lambda ds: ", ".join(f"{statistics.fmean(d):+.3f}" for d in ds)  # noqa: E731
-    ks = ", ".join(f"{k:,}" for k in budgets)
-    below = [f"{k:,}" for k, p, d in zip(budgets, adj, mine) if p < 0.05 and statistics.fmean(d) < 0]
-    verdict = (f"below random at K = {', '.join(below)} and level at the other budgets" if below
-               else "level with random at every budget")
-    return (f"On {len(mine[0])} whole reasoning traces its answer-NLL change against random eviction is {fmt(mine)} "
-            f"nats/token at K = {ks} (signed-rank p after Holm's correction over the {len(adj)} budgets: "
-            + ", ".join(f"{p:.2g}" for p in adj) + f"): {verdict}. `streaming`, which reads nothing: {fmt(stream)} "
-            f"against random.\n\n" + source_line(files, "benchmarks/results/retention-full/run.sh"))
+    n = max(r["n"] for r in rows.values())
+    problems = len({mod.problem_of(t) for v in data["llama.cpp"].values() for t in v})
+    rank = ", ".join(f"`{r['policy']}` {r['mean']:+.3f}" for r in s["ranking"])
+    files = [rel for rel in mod.SOURCES["llama.cpp"] if (RESULTS / rel).is_file()]
+    return (f"On {n} whole reasoning traces ({problems} problems) through llama.cpp, its answer-NLL change against "
+            f"random eviction is {vs('random')}; against `streaming`, which reads nothing: {vs('streaming')} "
+            f"(nats/token, 95 % problem-bootstrap intervals). It was chosen as the least answer-NLL increase at "
+            f"K = 512 and 1,024 together among the per-token policies on the traces all have ({rank}); where no "
+            f"weights fit the model it falls back to `{FALLBACK_POLICY}` with one warning line.\n\n"
+            + source_line(files, WHOLE_TRACES_COMMAND))
 
 
 def retention_vs_random() -> str:
@@ -782,6 +790,27 @@ def retention_attnfree() -> str:
             "one set per token, as llama.cpp and the servers need.\n\n"
             + source_line(files, "epikv retention --model smollm2 --tau 16 --budgets 512,1024 --max-reasoning-tokens "
                                  "1024 --max-answer-tokens 64 ... (each folder's README has its exact commands)"))
+
+
+WHOLE_TRACES_COMMAND = ("bash benchmarks/results/whole-traces/run.sh (two copies, traces split by ORDER), then python "
+                        "benchmarks/whole_traces.py --write")
+
+
+def whole_traces() -> str:
+    """Issue 57: the per-token policies (the learned scores that age among them) on whole traces through llama.cpp,
+    beside torch's rows, paired against random, streaming and per-head h2o; the ranking that picks the default."""
+    mod = _bench_module("whole_traces")
+    raw(mod.SOURCES["llama.cpp"][0])
+    data = {e: mod.load(e, RESULTS) for e in mod.SOURCES}
+    files = [rel for e in mod.SOURCES for rel in mod.SOURCES[e] if (RESULTS / rel).is_file()]
+    s = mod.summarise(data)
+    n_problems = len({mod.problem_of(t) for v in data["llama.cpp"].values() for t in v})
+    return (mod.tables(s) + "\n" + "Each row against its own engine's whole cache on the same trace; differences "
+            "paired by trace, 95 % interval from a bootstrap that resamples problems (none under "
+            f"{mod.MIN_PROBLEMS} problems; the llama.cpp rows cover {n_problems} so far), bold where it survives "
+            f"Holm's correction over the table's {s['holm_m']} differences with p (bootstrap, two-sided); `w/n`: "
+            "traces where the row lost less. ᵗ: paired with torch's row on the same trace (llama.cpp runs no h2o, "
+            "which reads attention weights).\n\n" + source_line(files, WHOLE_TRACES_COMMAND))
 
 
 # llama.cpp's retention runs and the torch rows they repeat: (llama.cpp store, torch store, tau, policies)
@@ -873,7 +902,22 @@ def _fair_headline(rows: list[dict], first_run: list[dict] | None = None) -> lis
 
 
 # the default policy's newest single-sequence step measurement (its code version: issue 50's one-layer mirror)
-DEFAULT_STEP = "llamacpp/step-seg-q-issue56.json"  # the default's step as it ships (arriving keys scored every 16 tokens)
+DEFAULT_STEP = "llamacpp/step-learned-decay.json"  # the default's step as it ships (tau 16, every block's hidden state)
+
+
+def _whole_headline() -> list[str]:
+    """The README's row for issue 57's run: the default against random and streaming at K = 1,024, through llama.cpp."""
+    from epikv.policies import DEFAULT_POLICY
+
+    mod = _bench_module("whole_traces")
+    s = mod.summarise({e: mod.load(e, RESULTS) for e in mod.SOURCES})
+    row = next(r for r in s["rows"] if (r["engine"], r["policy"], r["budget"]) == ("llama.cpp", DEFAULT_POLICY, 1024))
+    r, st = row["vs"]["random"], row["vs"]["streaming"]
+    return [f"retention on whole reasoning traces through llama.cpp, K = 1024 (answer NLL against random eviction "
+            "and against streaming)",
+            f"the default `{DEFAULT_POLICY}` {r['mean']:+.3f} nats/token against random (better on {r['wins']} of "
+            f"{r['n']}), {st['mean']:+.3f} against streaming ({st['wins']} of {st['n']})",
+            "[choosing a policy](docs/choosing.md#scores-that-age-on-whole-traces-through-llamacpp)"]
 
 
 def headline() -> str:
@@ -939,11 +983,12 @@ def headline() -> str:
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
          f"{last['full']['segment_tokens_per_s']:.2f} for the whole cache",
          "[benchmarks](docs/benchmarks.md#generation-to-the-context-limit-torch-engine)"],
-        [f"retention on {e_n} whole reasoning traces, K = 1024 (answer NLL vs random eviction)",
+        _whole_headline(),
+        [f"retention on {e_n} whole reasoning traces through torch, K = 1024 (answer NLL vs random eviction)",
          f"`epikv` {e_d:+.3f} nats/token (better on {e_w} of {e_n}); `epikv-seg-q` {q_d:+.3f} ({q_w} of {q_n})",
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
-    files = ["llamacpp/interleaved.json", "llamacpp/long.json", "llamacpp/step.json", *STREAMS.values(), FAIR,
+    files = ["llamacpp/interleaved.json", "llamacpp/long.json", DEFAULT_STEP, *STREAMS.values(), FAIR,
              FAIR_4096, "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})
@@ -1114,8 +1159,9 @@ RENDERERS = {
     "calibrate-speed": calibrate_speed,
     "headline": headline,
     "retention-vs-random": retention_vs_random,
-    "default-claim": default_claim,
+    "default-whole-traces": default_whole_traces,
     "retention-attnfree": retention_attnfree,
+    "whole-traces": whole_traces,
     "llamacpp-step": llamacpp_step,
     "llamacpp-capture": llamacpp_capture,
     "llamacpp-celltypes": llamacpp_celltypes,
@@ -1130,6 +1176,7 @@ RENDERERS = {
     "serve-profile": serve_profile,
     "llamacpp-step-seg-q-issue50": lambda: llamacpp_step("llamacpp/step-seg-q-issue50.json"),
     "llamacpp-step-seg-q-issue56": lambda: llamacpp_step("llamacpp/step-seg-q-issue56.json"),
+    "llamacpp-step-learned-decay": lambda: llamacpp_step("llamacpp/step-learned-decay.json"),
     "serve-ab-issue50": serve_ab,
     "soak": soak,
     "serve-load": serve_load,

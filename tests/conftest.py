@@ -4,8 +4,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every test (and the CLI subprocesses it starts) reads the data shipped in the package, never a developer's override
 os.environ.pop("EPIKV_DATA_DIR", None)
-# and no developer's learned weights: the weights cache folder is an empty one of this run's (tests that fill it set
-# their own)
+# and no developer's learned weights: the weights cache folder is one of this run's, holding only random weights for
+# random:tiny (below; tests that need another set their own)
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -15,6 +15,29 @@ atexit.register(shutil.rmtree, os.environ["EPIKV_WEIGHTS_DIR"], True)
 
 import pytest
 import torch
+
+
+def _weights_for_random_tiny(folder: str) -> None:
+    """The default policy (epikv-learned-decay) reads weights fitted per model and falls back, with a warning line,
+    where none fit: random weights recorded for random:tiny's fingerprint in this run's weights folder let the tests
+    that run the default on random:tiny run it as a user with fitted weights would (the fallback has tests of its own,
+    each with an empty folder of its own)."""
+    from epikv import load_model
+    from epikv.fingerprint import model_fingerprint
+    from epikv.policies.learned import LearnedWeights
+
+    m = load_model("random:tiny").model
+    n, kv, hidden = 4, 2, 64
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, kv, hidden, generator=g)
+    dw = torch.randn(n, kv, hidden, generator=g) * 0.05
+    db = -0.05 - 0.1 * torch.rand(n, kv, generator=g)
+    LearnedWeights(w, torch.zeros(n, kv), torch.zeros(n, hidden), torch.ones(n, hidden),
+                   {"model": "random:tiny", "fingerprint": model_fingerprint(m, m.model.layers)}, dw, db).save(
+        os.path.join(folder, "random-tiny.safetensors"))
+
+
+_weights_for_random_tiny(os.environ["EPIKV_WEIGHTS_DIR"])
 
 # One intra-op thread: the test models are tiny, where OpenMP's thread hand-off costs ~10x the work itself
 # (measured: 50 decode steps of random:tiny took 2.0 s of CPU with 2 threads, 0.19 s with 1).

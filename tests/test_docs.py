@@ -47,13 +47,13 @@ def test_every_generated_block_is_current():
 
 def test_the_expected_blocks_are_on_their_pages():
     found = {p.relative_to(ROOT).as_posix(): set(render.OPEN.findall(p.read_text(encoding="utf-8"))) for p in PAGES}
-    assert "headline" in found["README.md"]
+    assert {"headline", "default-whole-traces"} <= found["README.md"]
     assert {"llamacpp-step", "llamacpp-capture", "llamacpp-long", "llamacpp-interleaved",
             "llamacpp-retention"} <= found["docs/llamacpp.md"]
     assert "serve-fields" in found["docs/serve.md"]  # the user page keeps its reference table; measurements below
     assert {"serve-streams", "serve-llama-server", "serve-h200", "serve-sampled", "soak", "serve-fuzz",
             "serve-load"} <= found["docs/benchmarks.md"]
-    assert "retention-vs-random" in found["docs/choosing.md"]
+    assert {"retention-vs-random", "whole-traces"} <= found["docs/choosing.md"]
     assert {"bench-overhead", "bench-long"} <= found["docs/benchmarks.md"]
     assert "pages" in found["docs/SERVING.md"]
     assert {"policies", "policy-matrix"} <= found["docs/policies.md"]

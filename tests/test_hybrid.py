@@ -367,12 +367,28 @@ def test_cli_named_policy_refused_on_a_hybrid_model_lists_what_runs(capsys):
 
 
 def test_cli_default_policy_unchanged_on_a_full_attention_model(capsys):
-    """No fallback and no warning where the default runs. Mutant: falling back on every model fails here."""
+    """No fallback and no warning where the default runs (the embedded SmolLM2: its learned weights ship). Mutant:
+    falling back on every model fails here."""
     from epikv.policies import DEFAULT_POLICY
 
-    code, out, err = _cli(capsys, *GEN[:2], "random:tiny", *GEN[3:])
+    code, out, err = _cli(capsys, *GEN[:2], "smollm2", *GEN[3:])
     assert code == 0 and not err, err
     assert json.loads(out)["policy"] == DEFAULT_POLICY
+
+
+def test_cli_default_policy_falls_back_where_no_weights_fit(capsys, tmp_path, monkeypatch):
+    """A full-attention model no learned weights were fitted on (random:tiny): the default gives way to the fallback
+    with one warning line that names both; the run evicts. Mutant: the fallback taken for a named policy too (then
+    `--policy epikv-learned-decay` exits 0 here)."""
+    from epikv.policies import DEFAULT_POLICY, FALLBACK_POLICY
+
+    monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path))  # none fitted on random:tiny (conftest's left out)
+    code, out, err = _cli(capsys, *GEN[:2], "random:tiny", *GEN[3:])
+    assert code == 0 and len(err) == 1 and DEFAULT_POLICY in err[0] and FALLBACK_POLICY in err[0], err
+    d = json.loads(out)
+    assert d["policy"] == FALLBACK_POLICY and d["evictions"] > 0
+    code, out, err = _cli(capsys, *GEN[:2], "random:tiny", *GEN[3:], "--policy", str(DEFAULT_POLICY))
+    assert code == 2 and not out and len(err) == 1 and "no weights fit" in err[0], err
 
 
 def test_cli_trace_falls_back_on_a_hybrid_model(capsys):

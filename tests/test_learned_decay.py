@@ -103,7 +103,8 @@ def test_decayed_score_equals_a_loop_recomputation_in_the_torch_engine(tiny, tmp
     (log_beta rolled by one token in scores; per_token only)."""
     path = write_random_weights(tmp_path / "w.safetensors", 4, 2, 64, seed=3)
     K, recent, beta = 24, 4, 0.8
-    dec = Decoder(tiny.model, "epikv-learned-decay", K, recent=recent, weights=path, beta=beta, per_token=per_token)
+    dec = Decoder(tiny.model, "epikv-learned-decay", K, tau=1, recent=recent, weights=path, beta=beta,
+                  per_token=per_token)  # tau 1: an eviction every step, as the loop evicts
     arrivals, calls, keeps = {}, [], []
     record(dec.cache.policy, arrivals, calls)
     orig = dec.cache.evict
@@ -135,7 +136,7 @@ def test_dropin_cache_in_model_generate_keeps_what_the_loop_gives(tiny, tmp_path
     K, recent = 24, 4
     seen = record_keeps(monkeypatch, lambda keep, kw: keep[0].tolist())
     ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(8))
-    c = EpiKVCache(tiny.model, "epikv-learned-decay", budget=K, recent=recent, weights=path)
+    c = EpiKVCache(tiny.model, "epikv-learned-decay", budget=K, tau=1, recent=recent, weights=path)
     arrivals, calls = {}, []
     record(c.policy, arrivals, calls)
     out = tiny.model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -145,7 +146,7 @@ def test_dropin_cache_in_model_generate_keeps_what_the_loop_gives(tiny, tmp_path
     kept = [[calls[e][0][j] for j in k] for e, k in enumerate(keeps)]
     check_against_loop(load_weights(path), 4, arrivals, calls, kept, None, 12, K, recent, 1e-4)
     ref = generate(tiny.model, tiny.tokenizer, [ids[0].tolist()], policy="epikv-learned-decay", budget=K,
-                   recent=recent, max_new_tokens=40, weights=path)
+                   tau=1, recent=recent, max_new_tokens=40, weights=path)
     assert ref.token_ids[0] == out[0, 12:].tolist()
 
 

@@ -621,7 +621,7 @@ def test_cli_flash_attn_reaches_llama_cpp():
     (["--model", str(ROOT / "README.md")], "not a GGUF file"),
     (["--dtype", "bfloat16"], "--dtype: torch engine options"),
     (["--recent", "0"], "recent window must be >= 1"),
-    (["--layers", "9,30"], "out of range"),
+    (["--policy", "epikv-seg-q", "--layers", "9,30"], "out of range"),
 ])
 def test_cli_refusals_exit_2_in_one_line(argv, needle):
     p = _cli("generate", "--engine", "llama.cpp", "--prompt", "hi", "--max-new-tokens", "2", *argv)

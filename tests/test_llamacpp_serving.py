@@ -436,8 +436,10 @@ def test_soak_on_llama_cpp():
 
     from test_serving_http import Served  # the serve tests' launcher
 
-    # the default policy (epikv-seg-q) at tau 16: budget + tau fits the 80 cells a stream gets
-    s = Served(["--engine", "llama.cpp", "--ctx", "1280", "--sequences", "16", "--budget", "64", "--tau", "16",
+    # epikv-seg-q at tau 16 (the default when this soak was sized; its "steps" rule evicts these short requests):
+    # budget + tau fits the 80 cells a stream gets
+    s = Served(["--engine", "llama.cpp", "--policy", "epikv-seg-q", "--ctx", "1280", "--sequences", "16", "--budget",
+                "64", "--tau", "16",
                 "--threads", "1", "--max-batch-tokens", "128", "--max-tokens", "40"])
     try:
         health = HealthWatch(s)

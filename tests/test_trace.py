@@ -13,7 +13,8 @@ _run = run_cli
 
 
 def test_trace_defaults_to_the_default_policy(capsys, tmp_path):
-    """No --policy: the default policy (epikv-seg-q, which gives no score on arrival) is traced, its keep set shown.
+    """No --policy: the default policy (epikv-learned-decay, whose rank of a token changes with its age, so its score
+    on arrival is not what it keeps by) is traced, its keep set shown.
     Pre-fix: `trace` silently ran flat `epikv`, and `--policy epikv-seg-q` ended in KeyError: 'score'. Mutant:
     set_defaults(policy="epikv") in commands/trace.py fails the name check."""
     html = tmp_path / "t.html"
@@ -49,7 +50,8 @@ def test_keep_set_over_time_is_streamings_window(tiny):
 
 def test_default_policy_trace_matches_its_final_cache(tiny):
     """The default policy's keep set read over time ends at the cache the decode kept (no token counted evicted
-    that is still cached, none missed), and at most K + tau - 1 tokens are cached after any forward."""
+    that is still cached, none missed), and at most K + tau - 1 tokens are cached after any forward. Mutant: an
+    ageing policy shown by its arrival score (policy.ages ignored in trace_scores)."""
     import torch
 
     from epikv.engine import Decoder

@@ -75,7 +75,7 @@ def trace_scores(model, tokenizer, prompt_ids: list[int], completion_ids: list[i
 
         def recording(state, obs):
             out = on_tokens(state, obs)
-            s = out.get("score")
+            s = None if dec.policy.ages else out.get("score")  # an ageing rank: its keep set, not its arrival score
             arrived.append(None if s is None or s.dim() != 2 else s[0][obs.valid[0]].float().cpu())  # [T]
             return out
 

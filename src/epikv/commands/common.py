@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import EpiKVError
 from ..models import DEFAULT_MODEL
-from ..policies import policy_names
+from ..policies import FALLBACK_POLICY, policy_names
 
 
 def _number(cast, ok, expected: str):
@@ -254,12 +254,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def default_policy_help(by_engine: bool = False) -> str:
     """The --policy default as the help states it: DEFAULT_POLICY, and each engine's own where one refuses it."""
-    from ..policies import DEFAULT_POLICY, ENTRY_DEFAULTS
+    from ..policies import DEFAULT_POLICY, ENTRY_DEFAULTS, FALLBACK_POLICY
 
     own = [f"--engine {key.split('-', 1)[1]}, which refuses it: {name}" for key, name in ENTRY_DEFAULTS.items()
            if by_engine and key.startswith("serve-")]
-    return (f"default {DEFAULT_POLICY}: on whole reasoning traces close to streaming and to random eviction "
-            "(README, docs/choosing.md)"
+    return (f"default {DEFAULT_POLICY}: the least answer-likelihood lost at K = 1024 among the per-token policies "
+            f"on whole reasoning traces (docs/choosing.md); {FALLBACK_POLICY} where no weights fit the model"
             + "".join(f"; on {o}" for o in own))
 
 
@@ -286,8 +286,8 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
                        help="cache budget K (tokens, prompt included, after an eviction; the cache peaks at K + tau: "
                             "K + tau - 1 between evictions and the step's own; ignored by full, with a warning)")
     g.add_argument("--tau", type=positive_int, default=None,
-                   help="eviction interval in steps (default: the policy's own, 128 for epikv-seg and epikv-seg-q, 1 "
-                        "for the rest)")
+                   help="eviction interval in steps (default: the policy's own, 128 for epikv-seg and epikv-seg-q, 16 "
+                        "for the epikv-learned family, 1 for the rest)")
     g.add_argument("--recent", type=nonneg_int, default=None, help="protected recent tokens (default min(128, K/4))")
     g.add_argument("--no-protect-prompt", action="store_true", help="protect only the first --n-sink tokens")
     g.add_argument("--n-sink", type=nonneg_int, default=None,
@@ -308,10 +308,8 @@ def add_policy_args(p: argparse.ArgumentParser, multi: bool = False, by_engine: 
 
 
 # What a model with sliding-window layers (Gemma-3, GPT-OSS, Ministral) runs when no policy is named and the default
-# cannot run there: streaming, as good as the default within the intervals of the whole-trace retention run
-# (docs/choosing.md: -0.022 / -0.029 / -0.003 nats/token against random at K = 512 / 1024 / 2048, the default's
-# -0.002 / -0.024 / -0.006) and run by every engine, hybrid models included.
-HYBRID_FALLBACK = "streaming"
+# cannot run there: the default's own fallback (epikv.policies.FALLBACK_POLICY), which runs on every model.
+HYBRID_FALLBACK = FALLBACK_POLICY
 
 
 def hybrid_policy(args: argparse.Namespace, model) -> None:
@@ -356,6 +354,25 @@ def hybrid_policy(args: argparse.Namespace, model) -> None:
                f"{' (it ' + m.group(1) + ')' if m else ''}: running {HYBRID_FALLBACK} instead, the best measured "
                "policy that does (docs/choosing.md); --policy chooses another")
     args.policy = HYBRID_FALLBACK
+
+
+def default_for_model(args: argparse.Namespace, model) -> None:
+    """No --policy given and the default reads learned weights that no file fits for this transformers model: the
+    fallback (epikv.policies.FALLBACK_POLICY) with one warning line, set in args.policy before anything is built, so
+    every label and record names the policy that runs. A named policy is left to the engine's own refusal."""
+    from ..cache import _check_learned, decoder_layers
+    from ..fingerprint import model_fingerprint
+    from ..policies import for_model, get_policy
+    from ..signals import model_depth
+
+    if "policy" in (getattr(args, "given", None) or set()):
+        return
+    pol = get_policy(args.policy)
+    if getattr(pol, "check_model", None) is None:
+        return
+    layers = decoder_layers(model)
+    fp, depth = model_fingerprint(model, layers), model_depth(model.config, len(layers))
+    args.policy = str(for_model(pol, lambda p: _check_learned(p, fp, depth)).name)
 
 
 def policy_settings(args: argparse.Namespace, policy_name: str) -> dict:

@@ -152,9 +152,13 @@ class LlamaCppEngine:
 
     def layer_choice(self, policy):
         from ..llamacpp.engine import check_model_policy
+        from ..policies import for_model
         from ..policies.hidden import layer_note
 
-        check_model_policy(self.gm, policy)  # refused before any output
+        if policy.evicts:
+            self.gm.check_evictable()  # a model that cannot evict: refused before any weights are looked for
+        # refused before any output; the default (no policy named) falls back where no weights fit (one warning line)
+        policy = for_model(policy, lambda p: check_model_policy(self.gm, p), tau=self.args.tau)
         if not hasattr(policy, "layers"):
             return None
         blocks = sorted(policy.observes(self.gm.depth).hidden_layers)

@@ -7,8 +7,8 @@ import sys
 
 from ..errors import EpiKVError
 from .engines import add_engine_args, make_engine
-from .common import (add_model_args, add_policy_args, hybrid_policy, nonneg_float, nonneg_int, positive_int,
-                     read_text, settings_by_policy)
+from .common import (add_model_args, add_policy_args, default_for_model, hybrid_policy, nonneg_float, nonneg_int,
+                     positive_int, read_text, settings_by_policy)
 
 
 def register(sub) -> None:
@@ -71,6 +71,7 @@ def run(args) -> int:
     if eng.name == "torch":
         named = args.policy
         hybrid_policy(args, eng.lm.model)  # a sliding-window model: the default may fall back (one warning line)
+        default_for_model(args, eng.lm.model)  # no weights fitted on this model: the same fallback
         if args.policy != named:
             settings = settings_by_policy(args, [args.policy])[args.policy]
     # the chat template by default, as transformers' chat tools do: an instruct model fed raw text often ends at once

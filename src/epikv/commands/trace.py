@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EpiKVError
-from .common import add_model_args, add_policy_args, hybrid_policy, load, out_file, read_text, settings_by_policy
+from .common import (add_model_args, add_policy_args, default_for_model, hybrid_policy, load, out_file, read_text,
+                     settings_by_policy)
 
 
 def png_file(text: str) -> str:
@@ -64,6 +65,7 @@ def run(args) -> int:
     lm = load(args)
     named = args.policy
     hybrid_policy(args, lm.model)  # a sliding-window model: the default may fall back (one warning line)
+    default_for_model(args, lm.model)  # no weights fitted on this model: the same fallback
     if args.policy != named:
         settings = settings_by_policy(args, [args.policy])[args.policy]
     tok = lm.tokenizer

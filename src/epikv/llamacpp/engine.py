@@ -95,10 +95,11 @@ def checked_policy(gm: GGUFModel, policy: str | Policy, budget: int | None, tau:
                    **policy_settings) -> tuple[Policy, list[int]]:
     """The policy and the blocks it reads, refused in one line where llama.cpp or this model cannot run it."""
     pol = get_policy(policy, tau=tau, **policy_settings)
+    if pol.evicts:
+        gm.check_evictable()  # a model that cannot evict at all is refused before any weights are looked for
     # the default (no policy named) falls back where this model cannot run it; a named policy is refused
     pol = for_model(pol, lambda p: check_model_policy(gm, p), tau=tau)
     if pol.evicts:
-        gm.check_evictable()
         if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise EpiKVError(f"budget must be a positive integer, got {budget!r}")
         if pol.recent_window(budget) < 1:

@@ -51,15 +51,13 @@ REGISTRY: dict[str, type[Policy]] = {
 
 
 # The default policy of every entry point (`epikv generate` / `eval`, `epikv.generate`, `EpiKVCache`, `press`,
-# `Decoder`, llama.cpp's `generate` and `serve`): a policy that reads no attention weights and loses the least answer
-# likelihood. Evidence: the whole-trace retention run, 28 reasoning traces streamed to their end, answer NLL against
-# random eviction at the same budget (benchmarks/results/retention-full/tau128/results.jsonl for the Seg family,
-# tau16/results.jsonl for the others; read in benchmarks/results/retention-full/retention.md and docs/choosing.md).
-# epikv-seg-q loses less than random at K = 512, 1024 and 2048 (-0.024 nats/token at K = 1024, 19 of 28 traces); the
-# paper's flat score `epikv` loses more (+0.104, 3 of 28), so it stays available by name but is not the default.
-# streaming is as good within the intervals (mean -0.022 / -0.029 / -0.003 at K = 512 / 1024 / 2048 against
-# epikv-seg-q's -0.002 / -0.024 / -0.006); h2o and tova measured a little better but read attention weights (eager
-# attention; llama.cpp and the paged server refuse them). tests/test_defaults.py checks these claims on the raw files.
+# `Decoder`, llama.cpp's `generate` and `serve`): the per-token policy with the least answer-likelihood loss at
+# K = 1,024 on whole reasoning traces through llama.cpp, among those the entry point runs (issue 57 item 4). Evidence:
+# benchmarks/results/whole-traces/llamacpp/results.jsonl (the 28 shared R1 traces streamed to their end, answer-NLL
+# increase against the same trace's whole cache), ranked by benchmarks/whole_traces.py and rendered in
+# docs/choosing.md; tests/test_defaults.py fails when the constant and the ranking disagree. epikv-learned-decay reads
+# the hidden state entering each layer (no attention weights, no q.K) through weights fitted per model by `epikv
+# calibrate` (shipped for the embedded SmolLM2 and its GGUF); where none fit the model, FALLBACK_POLICY runs.
 class DefaultName(str):
     """The default policy's name as an entry point receives it when its caller names none: equal to the plain name
     everywhere, but recognisable, so that an engine falls back (one warning line, `for_model`) where this model cannot
@@ -68,12 +66,13 @@ class DefaultName(str):
     __slots__ = ()
 
 
-DEFAULT_POLICY = DefaultName("epikv-seg-q")
+DEFAULT_POLICY = DefaultName("epikv-learned-decay")
 """The policy every entry point runs when none is named (where an entry point refuses it: ENTRY_DEFAULTS)."""
 FALLBACK_POLICY = "streaming"
 """What runs, with one warning line, when no policy is named and the model cannot run DEFAULT_POLICY (learned weights
-fitted on other models only): the best measured per-token policy of the whole-trace ranking that needs no fitted
-weights and runs on every model (benchmarks/whole_traces.py; tests/test_defaults.py)."""
+fitted on other models only, sliding-window layers): the best per-token policy of the whole-trace ranking that needs
+no fitted weights and runs on every entry point and model, hybrid ones included (benchmarks/whole_traces.py;
+tests/test_defaults.py)."""
 # Entry points that refuse DEFAULT_POLICY (their check: epikv.support), each with the best measured policy it runs,
 # from the same raw files. None today: the torch paged server runs epikv-seg-q at page granularity too.
 ENTRY_DEFAULTS: dict[str, str] = {}

@@ -41,6 +41,9 @@ class Policy:
     checked for every registered policy against what it observes: tests/test_cli.py)."""
     granularity: ClassVar[str] = "token"
     """'token': one keep set per sequence; 'head': one per layer and KV head; 'layer': one per layer."""
+    ages: ClassVar[bool] = False
+    """True where a token's rank changes with its age after arrival (a decayed or age-penalised score): its score on
+    arrival is then not what it is ranked by, and `epikv trace` shows its keep set instead."""
     evicts: ClassVar[bool] = True
     """False for `full`, which keeps every token."""
     renumbers_positions: ClassVar[bool] = False

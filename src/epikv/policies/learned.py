@@ -333,6 +333,7 @@ class LearnedScore(Policy):
     its transformers form and its embedded GGUF) and the cache folder ($EPIKV_WEIGHTS_DIR, ~/.cache/epikv/weights).
     """
 
+    tau: int = 16  # the interval every measurement of the family ran at (docs/choosing.md): the family ships at it
     weights: str | None = None
 
     name = "epikv-learned"

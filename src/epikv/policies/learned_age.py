@@ -18,6 +18,7 @@ class LearnedAge(LearnedMean):
     penalty: float = 0.002  # nats of the arrival score lost per token of age
 
     name = "epikv-learned-age"
+    ages = True
     paper = "arXiv:2512.03324 (TRIM-KV), arXiv:2601.07891 (KVzap)"
 
     def scores(self, state, view):

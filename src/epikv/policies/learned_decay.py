@@ -42,6 +42,7 @@ class LearnedDecay(LearnedMean):
     per_token: bool = True  # the fitted per-token rate of the weights' decay map (TRIM-KV); False: the constant beta
 
     name = "epikv-learned-decay"
+    ages = True
     paper = "arXiv:2512.03324 (TRIM-KV), arXiv:2601.07891 (KVzap)"
 
     def __post_init__(self) -> None:
