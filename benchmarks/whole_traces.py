@@ -125,7 +125,7 @@ def ranking(cells: dict[tuple[str, int], dict[str, float]], budgets=BUDGETS) -> 
         return []
     rank = [{"policy": p, "mean": sum(v[t] for v in vs for t in common) / (len(common) * len(vs)),
              "n": len(common)} for p, vs in cands.items()]
-    return sorted(rank, key=lambda r: r["mean"])
+    return sorted(rank, key=lambda r: (r["mean"], r["policy"]))  # a tie in name order, not set order
 
 
 def winner(entry: str, rank: list[dict]) -> str | None:

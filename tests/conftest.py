@@ -115,3 +115,15 @@ def record_keeps(monkeypatch, take) -> dict:
 
     monkeypatch.setattr(PolicyState, "keep", spy)
     return seen
+
+
+def bench_module(name: str, as_name: str | None = None):
+    """benchmarks/<name>.py as a module, so a benchmark script's tests run the script's own code."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(as_name or name,
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

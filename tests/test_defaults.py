@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 import epikv
 from epikv.cli import build_parser
@@ -111,10 +112,7 @@ def test_the_defaults_rest_on_the_raw_retention_files():
 
 
 def _whole_traces():
-    spec = importlib.util.spec_from_file_location("epikv_whole_traces", ROOT / "benchmarks" / "whole_traces.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("whole_traces", "epikv_whole_traces")
 
 
 def test_each_entry_points_default_is_the_whole_trace_winner():

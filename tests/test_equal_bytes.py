@@ -1,22 +1,19 @@
 """benchmarks/equal_bytes.py (issue 56 item 4): rows against the whole F16 cache, budgets mapped to the byte sizes,
 the bootstrap that resamples problems, paired wins."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def eb():
-    spec = importlib.util.spec_from_file_location("equal_bytes", ROOT / "benchmarks" / "equal_bytes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("equal_bytes")
 
 
 def _rec(tid, policy, budget, nll, peak=None, kv_mib=10.0):
