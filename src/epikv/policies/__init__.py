@@ -51,8 +51,9 @@ REGISTRY: dict[str, type[Policy]] = {
 
 
 # The default policy of every entry point (`epikv generate` / `eval`, `epikv.generate`, `EpiKVCache`, `press`,
-# `Decoder`, llama.cpp's `generate` and `serve`): the per-token policy with the least answer-likelihood loss at
-# K = 1,024 on whole reasoning traces through llama.cpp, among those the entry point runs (issue 57 item 4). Evidence:
+# `Decoder`, llama.cpp's `generate` and `serve`): the per-token policy with the least answer-likelihood loss over
+# K = 512 and 1,024 on whole reasoning traces through llama.cpp (benchmarks/whole_traces.py's `ranking` says why not
+# K = 1,024 alone), among those the entry point runs (issue 57 item 4). Evidence:
 # benchmarks/results/whole-traces/llamacpp/results.jsonl (the 28 shared R1 traces streamed to their end, answer-NLL
 # increase against the same trace's whole cache), ranked by benchmarks/whole_traces.py and rendered in
 # docs/choosing.md; tests/test_defaults.py fails when the constant and the ranking disagree. epikv-learned-decay reads
@@ -74,7 +75,7 @@ fitted on other models only, sliding-window layers): the best per-token policy o
 no fitted weights and runs on every entry point and model, hybrid ones included (benchmarks/whole_traces.py;
 tests/test_defaults.py)."""
 # Entry points that refuse DEFAULT_POLICY (their check: epikv.support), each with the best measured policy it runs,
-# from the same raw files. None today: the torch paged server runs epikv-seg-q at page granularity too.
+# from the same ranking. None today: every entry point runs epikv-learned-decay (the paged server at page granularity).
 ENTRY_DEFAULTS: dict[str, str] = {}
 """Entry point (epikv.support.ENTRY_POINTS' keys) -> its own default, where it refuses DEFAULT_POLICY."""
 
