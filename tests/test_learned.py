@@ -105,7 +105,8 @@ def _cli(argv, capsys):
     return code, cap.out, [l for l in cap.err.splitlines() if l.strip()]
 
 
-def test_other_model_shape_is_refused_in_one_line(tmp_path, capsys):
+def test_other_model_shape_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path / "none"))  # not conftest's folder: it fits random:tiny
     g = torch.Generator().manual_seed(3)
     LearnedWeights(torch.randn(5, 2, 64, generator=g), torch.zeros(5, 2), torch.zeros(5, 64), torch.ones(5, 64),
                    {"model": "other"}).save(tmp_path / "five.safetensors")
