@@ -67,7 +67,7 @@ class _Raw:
     after each token the oldest decode token is removed once the cache is over K (no eviction callback, no
     policy), in a context sized as epikv's; else the whole cache in a context of prompt + new tokens."""
 
-    def __init__(self, gm, ids, total, hold=None, capture=None):
+    def __init__(self, gm, ids, total, hold=None, capture=None, blocks=(9, 20)):
         from epikv.llamacpp import load
         from epikv.llamacpp.capture import BlockCapture
         from epikv.llamacpp.engine import KV_TYPES
@@ -75,8 +75,8 @@ class _Raw:
         ll = self.ll = load().ll
         cp = ll.llama_context_default_params()
         self.cap = None
-        if capture:  # the eval callback alone (blocks 9 and 20), no policy
-            self.cap = BlockCapture([9, 20], gm.n_embd, min(512, len(ids)), capture)
+        if capture:  # the eval callback alone (blocks 9 and 20 unless told), no policy
+            self.cap = BlockCapture(list(blocks), gm.n_embd, min(512, len(ids)), capture)
             cp.cb_eval, cp.cb_eval_user_data = self.cap.cb, self.cap.user_data
         nb = min(512, len(ids))
         cp.n_ctx = len(ids) + total if hold is None else min(len(ids) + total, hold + nb)
@@ -276,13 +276,15 @@ def long(args):
 
 def capture(args):
     """The eval callback's cost alone: the bare loop with no callback, with the C callback, with the Python
-    callback (blocks 9 and 20 copied every token, nothing else), whole cache, rounds interleaved."""
+    callback (blocks 9 and 20 copied every token, nothing else), and the C callback copying every block's output
+    (what the learned scores read), whole cache, rounds interleaved."""
     from epikv.llamacpp import load_gguf
 
     gm = load_gguf("smollm2")
     ids = _prompt_ids(gm)
     runs = {"no callback": _Raw(gm, ids, args.gen), "C callback": _Raw(gm, ids, args.gen, capture="c"),
-            "Python callback": _Raw(gm, ids, args.gen, capture="python")}
+            "Python callback": _Raw(gm, ids, args.gen, capture="python"),
+            "C callback, every block": _Raw(gm, ids, args.gen, capture="c", blocks=range(gm.n_layers - 1))}
     spent = {k: 0.0 for k in runs}
     for s in range(0, args.gen, args.round):
         for k, r in runs.items():

@@ -701,12 +701,16 @@ def default_whole_traces() -> str:
 
     n = max(r["n"] for r in rows.values())
     problems = len({mod.problem_of(t) for v in data["llama.cpp"].values() for t in v})
-    rank = ", ".join(f"`{r['policy']}` {r['mean']:+.3f}" for r in s["ranking"])
+    def order(k):
+        return ", ".join(f"`{r['policy']}` {r['mean']:+.3f}" for r in s["ranking_by_budget"][k])
+
+    (rank_k,) = mod.RANK_BUDGETS
+    others = "; ".join(f"at K = {k:,} the order is {order(k)}" for k in mod.BUDGETS if k != rank_k)
     files = [rel for rel in mod.SOURCES["llama.cpp"] if (RESULTS / rel).is_file()]
     return (f"On {n} whole reasoning traces ({problems} problems) through llama.cpp, its answer-NLL change against "
             f"random eviction is {vs('random')}; against `streaming`, which reads nothing: {vs('streaming')} "
             f"(nats/token, 95 % problem-bootstrap intervals). It was chosen as the least answer-NLL increase at "
-            f"K = 512 and 1,024 together among the per-token policies on the traces all have ({rank}); where no "
+            f"K = {rank_k:,} among the per-token policies on the traces all have ({order(rank_k)}); {others}. Where no "
             f"weights fit the model it falls back to `{FALLBACK_POLICY}` with one warning line.\n\n"
             + source_line(files, WHOLE_TRACES_COMMAND))
 

@@ -14,9 +14,9 @@ problems (7 problems x 4 traces), Holm-corrected over every difference of the ta
 attention weights, so llama.cpp does not run it: a llama.cpp row is paired with torch's `h2o` on the same trace
 (each against its own engine's whole cache), marked as such.
 
-The default: the per-token policy (one keep set for every head and layer) with the least mean answer-NLL increase over
-the goal's budgets (K = 512 and 1,024) on the traces every candidate has, through llama.cpp (where every candidate
-runs), that the entry point runs (`ranking` says why not K = 1,024 alone). tests/test_defaults.py checks that every entry point's default is this winner.
+The default: the per-token policy (one keep set for every head and layer) with the least mean answer-NLL increase at
+K = 1,024 (the issue's rule: RANK_BUDGETS) on the traces every candidate has, through llama.cpp (where every candidate
+runs), that the entry point runs. tests/test_defaults.py checks that every entry point's default is this winner.
 
     python benchmarks/whole_traces.py            # the tables on stdout (markdown)
     python benchmarks/whole_traces.py --write    # also summary.json and table.md under whole-traces/
@@ -39,6 +39,11 @@ SOURCES = {"llama.cpp": ["whole-traces/llamacpp/results.jsonl"],
            "torch": ["retention-full/tau16/results.jsonl", "retention-full/tau128/results.jsonl",
                      "whole-traces/torch/results.jsonl"]}
 BUDGETS = (512, 1024)
+# The budget the default is ranked at (issue 57 item 4). The mean over K = 512 and 1,024 was used while the first two
+# at K = 1,024 differed by under a thousandth of a nat; with 13 traces the first leads every other per-token policy
+# at K = 1,024 with a paired interval clear of zero, and the issue's own rule is back (at K = 512 the order differs:
+# the table and the README say so, from `ranking(cells, (512,))`).
+RANK_BUDGETS = (1024,)
 REFS = ("random", "streaming", "h2o")
 TORCH_ONLY = ("h2o",)  # reads attention weights: llama.cpp's rows are paired with torch's on the same trace
 SHIPPED_TAU = {"epikv-seg-q": 128, "epikv-seg": 128}
@@ -108,14 +113,15 @@ def summarise(data: dict[str, dict], budgets=BUDGETS) -> dict:
     cells_p = [(row, ref) for row in rows for ref, d in row["vs"].items() if not math.isnan(d["p"])]
     for (row, ref), adj in zip(cells_p, holm([row["vs"][ref]["p"] for row, ref in cells_p])):
         row["vs"][ref]["p_holm"] = adj
-    return {"rows": rows, "ranking": ranking(data.get("llama.cpp", {})), "holm_m": len(cells_p)}
+    cells = data.get("llama.cpp", {})
+    return {"rows": rows, "ranking": ranking(cells), "holm_m": len(cells_p),
+            "ranking_by_budget": {k: ranking(cells, (k,)) for k in budgets}}
 
 
-def ranking(cells: dict[tuple[str, int], dict[str, float]], budgets=BUDGETS) -> list[dict]:
-    """The per-token candidates, least answer-NLL increase first: each one's mean over the goal's budgets (K = 512 and
-    1,024) and over the traces every candidate has at all of them (so a row further along its run is not compared on
-    other traces). One budget alone is not used: at K = 1,024 the first two differ by less than a thousandth of a
-    nat on the traces so far, an order the next trace can flip, while at K = 512 they are far apart."""
+def ranking(cells: dict[tuple[str, int], dict[str, float]], budgets=RANK_BUDGETS) -> list[dict]:
+    """The per-token candidates, least answer-NLL increase first: each one's mean over `budgets` (the default's:
+    K = 1,024) and over the traces every candidate has at all of them (so a row further along its run is not compared
+    on other traces)."""
     names = {p for (p, k) in cells if k in budgets and p != "full" and per_token(p)}
     cands = {p: [cells.get((p, k), {}) for k in budgets] for p in names}
     if not cands:
@@ -165,11 +171,12 @@ def tables(s: dict, budgets=BUDGETS) -> str:
             lines.append(f"| {r['policy']} | {r['budget']:,} | {r['n']} | {r['mean']:+.3f} | "
                          + " | ".join(_fmt(vs[ref]) for ref in REFS) + " |")
         lines.append("")
-    if s["ranking"]:
-        n = s["ranking"][0]["n"]
-        lines += [f"Per-token policies through llama.cpp, least answer-NLL increase first (mean over K = "
-                  f"{' and '.join(f'{k:,}' for k in budgets)} and the {n} traces every one has at both): "
-                  + ", ".join(f"`{r['policy']}` {r['mean']:+.3f}" for r in s["ranking"]) + ".", ""]
+    for k, rank in s.get("ranking_by_budget", {}).items():
+        if rank:
+            mark = " (the default is ranked here)" if (int(k),) == RANK_BUDGETS else ""
+            lines += [f"Per-token policies through llama.cpp at K = {int(k):,}, least answer-NLL increase first (mean "
+                      f"over the {rank[0]['n']} traces every one has){mark}: "
+                      + ", ".join(f"`{r['policy']}` {r['mean']:+.3f}" for r in rank) + ".", ""]
     return "\n".join(lines)
 
 

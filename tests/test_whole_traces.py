@@ -35,18 +35,22 @@ def test_rows_are_read_at_each_policys_shipped_tau(wt, tmp_path, monkeypatch):
 
 
 def test_the_ranking_compares_candidates_on_common_traces_least_loss_first(wt):
-    """Only per-token policies, each its mean over both budgets on the traces all have: `streaming` leads on the common
-    trace although its mean over all of its own traces is the worst, and `random` beats `epikv-learned-decay` over
-    both budgets though not at K = 1,024 alone. Per-head h2o is no candidate. Mutants: the sort reversed; each
-    policy's mean over its own traces; K = 1,024 alone."""
+    """Only per-token policies, each its mean at K = 1,024 (the default's budget) on the traces all have: `streaming`
+    leads on the common trace although its mean over all of its own traces is the worst; `epikv-learned-decay` beats
+    `random` at K = 1,024 though not over both budgets; at K = 512 alone the order is another. Per-head h2o is no
+    candidate. Mutants: the sort reversed; each policy's mean over its own traces; both budgets together."""
     cells = {("streaming", 1024): {"t1": 0.05, "t2": 0.9}, ("random", 1024): {"t1": 0.2},
              ("epikv-learned-decay", 1024): {"t1": 0.1}, ("h2o", 1024): {"t1": 0.0}, ("h2o", 512): {"t1": 0.0},
              ("streaming", 512): {"t1": 0.25, "t2": 0.9}, ("random", 512): {"t1": 0.2},
              ("epikv-learned-decay", 512): {"t1": 0.32}, ("full", None): {"t1": 0.0}}
     rank = wt.ranking(cells)
-    assert [r["policy"] for r in rank] == ["streaming", "random", "epikv-learned-decay"]
-    assert rank[0]["mean"] == pytest.approx(0.15) and rank[0]["n"] == 1
+    assert [r["policy"] for r in rank] == ["streaming", "epikv-learned-decay", "random"]
+    assert rank[0]["mean"] == pytest.approx(0.05) and rank[0]["n"] == 1
     assert wt.winner("llama.cpp", rank) == "streaming"
+    assert [r["policy"] for r in wt.ranking(cells, (512,))] == ["random", "streaming", "epikv-learned-decay"]
+    s = wt.summarise({"llama.cpp": cells})
+    assert [r["policy"] for r in s["ranking"]] == ["streaming", "epikv-learned-decay", "random"]
+    assert [r["policy"] for r in s["ranking_by_budget"][512]] == ["random", "streaming", "epikv-learned-decay"]
 
 
 def test_the_winner_is_the_first_the_entry_point_runs(wt):

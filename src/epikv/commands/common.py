@@ -258,9 +258,9 @@ def default_policy_help(by_engine: bool = False) -> str:
 
     own = [f"--engine {key.split('-', 1)[1]}, which refuses it: {name}" for key, name in ENTRY_DEFAULTS.items()
            if by_engine and key.startswith("serve-")]
-    return (f"default {DEFAULT_POLICY}: the least answer-likelihood lost over K = 512 and 1024 among the per-token "
-            f"policies on whole reasoning traces so far (docs/choosing.md); {FALLBACK_POLICY} where no weights fit the "
-            "model"
+    return (f"default {DEFAULT_POLICY}: the least answer-likelihood lost at K = 1024 among the per-token policies on "
+            f"whole reasoning traces so far (docs/choosing.md, with K = 512's order beside it); "
+            f"{FALLBACK_POLICY} where no weights fit the model"
             + "".join(f"; on {o}" for o in own))
 
 
