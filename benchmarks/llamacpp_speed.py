@@ -356,6 +356,12 @@ def main():
     ARGS = args = ap.parse_args()
     if args.gen is None:
         args.gen = 1024 if args.mode in ("step", "capture", "celltypes") else 6000
+    import torch
+
+    # as every llama.cpp entry point (commands/engines.py, serving/build.py): one torch thread for the policy's few
+    # rows a token; torch's own default (a thread per core) spins against llama.cpp's threads (the torch rows set
+    # --threads for themselves)
+    torch.set_num_threads(1)
     if args.mode == "_child":
         return _child(args)
     t0 = time.time()
