@@ -380,3 +380,43 @@ def test_llamacpp_default_falls_back_on_a_gguf_no_weights_fit(tmp_path, monkeypa
                     LlamaDecoder(gm, "epikv-learned-decay", 64, max_tokens=80, threads=1)
         finally:
             gm.close()
+
+
+def test_llamacpp_serve_kv_memory_warns_the_fallback_once(tmp_path, monkeypatch):
+    """`epikv serve --engine llama.cpp --kv-memory` with no policy named, on a GGUF no weights fit: the budget is sized
+    for the fallback and the backend runs that very policy, with one DefaultFallbackWarning (not one from the sizing
+    and another from the backend). Mutant: the backend given the policy's name instead of the sized policy."""
+    import warnings
+
+    from epikv.errors import DefaultFallbackWarning
+    from epikv.policies import FALLBACK_POLICY, DefaultName
+    from epikv.serving.build import _prepare_llamacpp
+    from epikv.serving.config import ServeConfig
+
+    monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path / "empty"))
+    tuned = tmp_path / "tuned.gguf"
+    shutil.copyfile(_embedded_gguf(), tuned)
+    from epikv.llamacpp.gguf_file import read_header
+
+    t = read_header(tuned).tensors["blk.0.attn_q.weight"]
+    with open(tuned, "r+b") as f:
+        f.seek(t.offset + 4)
+        b = f.read(16)
+        f.seek(t.offset + 4)
+        f.write(bytes(x ^ 0x11 for x in b))
+    cfg = ServeConfig(model=str(tuned), engine="llama.cpp", policy=DefaultName("epikv-learned-decay"),
+                      kv_memory=24 << 20, sequences=1, threads=1)
+    from epikv.serving import llamacpp as served
+
+    made = []
+    init = served.LlamaBackend.__init__
+    monkeypatch.setattr(served.LlamaBackend, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        _prepare_llamacpp(cfg)
+    (backend,) = made
+    try:
+        assert backend.policy.name == FALLBACK_POLICY
+        assert sum(issubclass(w.category, DefaultFallbackWarning) for w in got) == 1, [str(w.message) for w in got]
+    finally:
+        backend.stop()

@@ -123,15 +123,16 @@ def _prepare_llamacpp(cfg: ServeConfig):
     # bad cell types refused in one line; a quantized V cache switches flash attention on (said so)
     flash_attn, note = resolve_flash_attn(gm, cfg.cache_type_k, cfg.cache_type_v, cfg.flash_attn)
     notes = [note] if note else []
-    budget = cfg.budget
+    budget, policy = cfg.budget, cfg.policy
     if cfg.kv_memory is not None:  # a sequence's peak KV bytes, cells and policy buffers: the budget it picks
         pol = for_model(get_policy(cfg.policy, tau=cfg.tau, **cfg.settings), lambda p: check_model_policy(gm, p),
                         tau=cfg.tau)  # the default's fallback too
+        policy = pol  # the backend runs the policy sized here (a fallback warned once, not again by the backend)
         plan = budget_for_memory(gm, pol, cfg.kv_memory, cfg.cache_type_k, cfg.cache_type_v)
         budget = plan.budget
         notes.append(f"--kv-memory {cfg.kv_memory} bytes with {cfg.cache_type_k}/{cfg.cache_type_v} cells: "
                      f"{pol.name} {plan.describe()}")
-    backend = LlamaBackend(gm, cfg.policy, budget, cfg.tau, ctx=cfg.ctx, sequences=cfg.sequences,
+    backend = LlamaBackend(gm, policy, budget, cfg.tau, ctx=cfg.ctx, sequences=cfg.sequences,
                            max_batch_tokens=cfg.max_batch_tokens, threads=cfg.threads, kv=cfg.kv,
                            flash_attn=flash_attn, type_k=cfg.cache_type_k, type_v=cfg.cache_type_v, **cfg.settings)
     for n in notes:
