@@ -147,17 +147,10 @@ def test_llamacpp_refuses_the_shipped_weights_on_a_same_shape_gguf_fine_tune(tmp
     shipped file, while the embedded GGUF runs them. Mutant: weights chosen and checked by shape only (the
     fingerprint's signature part): the fine-tune gets SmolLM2's weights."""
     from epikv.llamacpp import LlamaDecoder, available, load_gguf
-    from epikv.llamacpp.gguf_file import gguf_fingerprint, read_header
+    from epikv.llamacpp.gguf_file import gguf_fingerprint
 
     assert available(), "llama-cpp-python is missing: run `bash scripts/install.sh --llamacpp`"
-    tuned = tmp_path / "tuned.gguf"
-    shutil.copyfile(_embedded_gguf(), tuned)
-    t = read_header(tuned).tensors["blk.0.attn_q.weight"]
-    with open(tuned, "r+b") as f:  # Q4_1 blocks: 2-byte scale, 2-byte minimum, 16 bytes of nibbles; nibbles changed
-        f.seek(t.offset + 4)
-        b = f.read(16)
-        f.seek(t.offset + 4)
-        f.write(bytes(x ^ 0x11 for x in b))
+    tuned = _tuned_gguf(tmp_path)
     fp = gguf_fingerprint(tuned)
     assert fp.split("|")[0] == EMBEDDED_GGUF_FP.split("|")[0] and fp != EMBEDDED_GGUF_FP
     gm = load_gguf(str(tuned))
@@ -346,6 +339,21 @@ def test_the_default_falls_back_where_no_weights_fit_and_a_named_policy_is_refus
         EpiKVCache(tiny.model, default, budget=24, per_token=False, beta=0.5)
 
 
+def _tuned_gguf(tmp_path):
+    """The embedded GGUF with a few bytes of one weight changed: a same-shape fine-tune, another fingerprint."""
+    from epikv.llamacpp.gguf_file import read_header
+
+    tuned = tmp_path / "tuned.gguf"
+    shutil.copyfile(_embedded_gguf(), tuned)
+    t = read_header(tuned).tensors["blk.0.attn_q.weight"]
+    with open(tuned, "r+b") as f:  # Q4_1 blocks: 2-byte scale, 2-byte minimum, 16 bytes of nibbles; nibbles changed
+        f.seek(t.offset + 4)
+        b = f.read(16)
+        f.seek(t.offset + 4)
+        f.write(bytes(x ^ 0x11 for x in b))
+    return tuned
+
+
 def test_llamacpp_default_falls_back_on_a_gguf_no_weights_fit(tmp_path, monkeypatch):
     """The llama.cpp decoder on a same-shape fine-tune of the embedded GGUF: the default runs FALLBACK_POLICY, a named
     learned policy is refused, and the embedded GGUF itself runs the learned default (its weights ship). Mutant: the
@@ -354,18 +362,10 @@ def test_llamacpp_default_falls_back_on_a_gguf_no_weights_fit(tmp_path, monkeypa
 
     from epikv.errors import DefaultFallbackWarning
     from epikv.llamacpp import LlamaDecoder, load_gguf
-    from epikv.llamacpp.gguf_file import read_header
     from epikv.policies import FALLBACK_POLICY, DefaultName
 
     monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path / "empty"))
-    tuned = tmp_path / "tuned.gguf"
-    shutil.copyfile(_embedded_gguf(), tuned)
-    t = read_header(tuned).tensors["blk.0.attn_q.weight"]
-    with open(tuned, "r+b") as f:
-        f.seek(t.offset + 4)
-        b = f.read(16)
-        f.seek(t.offset + 4)
-        f.write(bytes(x ^ 0x11 for x in b))
+    tuned = _tuned_gguf(tmp_path)
     default = DefaultName("epikv-learned-decay")
     for path, want in ((tuned, FALLBACK_POLICY), (_embedded_gguf(), "epikv-learned-decay")):
         gm = load_gguf(str(path))
@@ -394,16 +394,7 @@ def test_llamacpp_serve_kv_memory_warns_the_fallback_once(tmp_path, monkeypatch)
     from epikv.serving.config import ServeConfig
 
     monkeypatch.setenv("EPIKV_WEIGHTS_DIR", str(tmp_path / "empty"))
-    tuned = tmp_path / "tuned.gguf"
-    shutil.copyfile(_embedded_gguf(), tuned)
-    from epikv.llamacpp.gguf_file import read_header
-
-    t = read_header(tuned).tensors["blk.0.attn_q.weight"]
-    with open(tuned, "r+b") as f:
-        f.seek(t.offset + 4)
-        b = f.read(16)
-        f.seek(t.offset + 4)
-        f.write(bytes(x ^ 0x11 for x in b))
+    tuned = _tuned_gguf(tmp_path)
     cfg = ServeConfig(model=str(tuned), engine="llama.cpp", policy=DefaultName("epikv-learned-decay"),
                       kv_memory=24 << 20, sequences=1, threads=1)
     from epikv.serving import llamacpp as served
