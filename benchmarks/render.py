@@ -377,6 +377,20 @@ def serve_llama_server_fair_4096() -> str:
     return _fair_block(FAIR_4096, FAIR_4096_COMMAND)
 
 
+FAIR_DEFAULT = "serve/llama-server/fair-epyc-1024/results.jsonl"
+FAIR_DEFAULT_COMMAND = ("PYTHONPATH=src .venv/bin/python benchmarks/serve_vs_llama_server.py run --tokens 1024 "
+                        "--flash-attn auto --repeats 5 --rows llama-server,full,epikv-learned-decay:512,"
+                        "llama-server-shift@epikv-learned-decay:512 --out "
+                        "benchmarks/results/serve/llama-server/fair-epyc-1024")
+
+
+def serve_llama_server_fair_default() -> str:
+    """Issue 58's fair rows for the default at 8 x 1,024: flash attention as llama-server runs it (auto), 5 interleaved
+    repeats with paired 95 % intervals, llama-server --context-shift on the default row's own cells, every buffer
+    counted in the KV bytes."""
+    return _fair_block(FAIR_DEFAULT, FAIR_DEFAULT_COMMAND)
+
+
 PROFILE = "serve/llama-server/profile"
 PROFILE_COMMAND = ("bash benchmarks/profile_serve.sh epikv-seg-q 256 1024 benchmarks/results/serve/llama-server/"
                    "profile/{before,after}")
@@ -905,6 +919,15 @@ def _fair_headline(rows: list[dict], first_run: list[dict] | None = None) -> lis
             "[serving](docs/benchmarks.md#interleaved-repeats)"]
 
 
+def _fair_default_headline() -> list[str]:
+    """The README's row for issue 58's fair run of the default: one code version, flash attention as llama-server
+    runs it, paired intervals, the context-shift row on the default's own cells."""
+    what, measured, link = _fair_headline(load_jsonl(FAIR_DEFAULT))
+    return [what.replace("beside llama.cpp's own `llama-server`", "with the default policy, beside llama.cpp's own "
+                         "`llama-server` (one code version, every buffer counted)"), measured,
+            "[serving](docs/benchmarks.md#the-default-against-llama-server-and-context-shift)"]
+
+
 # the default policy's newest single-sequence step measurement (its code version: issue 50's one-layer mirror)
 DEFAULT_STEP = "llamacpp/step-learned-decay.json"  # the default's step as it ships (tau 16, every block's hidden state)
 
@@ -982,6 +1005,7 @@ def headline() -> str:
          "[serving](docs/benchmarks.md#both-engines-one-load)"],
         _fair_headline(fair_rows, [r for r in load_jsonl(FAIR) if r["tokens"] in {x["tokens"] for x in
                                                                            load_jsonl(FAIR_4096)}]),
+        _fair_default_headline(),
         [f"torch engine, generation to {max(long8k['settings']['long_lengths']) + long8k['settings']['prompt_tokens']:,}"
          " positions (SmolLM2, CPU)",
          f"last segment: {last['epikv']['segment_tokens_per_s']:.2f} tok/s at K = {last['epikv']['budget']} against "
@@ -993,7 +1017,7 @@ def headline() -> str:
          "[choosing a policy](docs/choosing.md#what-the-whole-trace-retention-run-says)"],
     ]
     files = ["llamacpp/interleaved.json", "llamacpp/long.json", DEFAULT_STEP, *STREAMS.values(), FAIR,
-             FAIR_4096, "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
+             FAIR_4096, FAIR_DEFAULT, "bench/long_smollm2_8192_cpu.json", "retention-full/tau16/results.jsonl",
              "retention-full/tau128/results.jsonl"]
     dates = sorted({committed(f) for f in files})
     return (table(["what", "measured", "details"], rows)
@@ -1177,6 +1201,7 @@ RENDERERS = {
     "serve-llama-server-fair": serve_llama_server_fair,
     "equal-bytes": equal_bytes,
     "serve-llama-server-fair-4096": serve_llama_server_fair_4096,
+    "serve-llama-server-fair-default": serve_llama_server_fair_default,
     "serve-profile": serve_profile,
     "llamacpp-step-seg-q-issue50": lambda: llamacpp_step("llamacpp/step-seg-q-issue50.json"),
     "llamacpp-step-seg-q-issue56": lambda: llamacpp_step("llamacpp/step-seg-q-issue56.json"),
