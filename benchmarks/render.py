@@ -900,7 +900,7 @@ def _fair_headline(rows: list[dict], first_run: list[dict] | None = None) -> lis
         for name, m in per.items():
             # the yardstick itself is not a row; its context-shift rows are (llama.cpp's own bounded-memory answer,
             # beside epikv's evicting rows at equal cells)
-            if name == "llama-server" or not m["ratios"]:
+            if name.split("@fa-")[0] == "llama-server" or not m["ratios"]:
                 continue
             # every row's KV fraction, above 1 too (issue 58: K = 512 and 1,024 at 8 x 1,024 hold more than llama-server)
             kv = f" on {100 * m['kv_fraction']:.0f} % of llama-server's KV bytes" if m.get("kv_fraction") else ""
