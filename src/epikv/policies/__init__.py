@@ -52,8 +52,8 @@ REGISTRY: dict[str, type[Policy]] = {
 
 # The default policy of every entry point (`epikv generate` / `eval`, `epikv.generate`, `EpiKVCache`, `press`,
 # `Decoder`, llama.cpp's `generate` and `serve`): the per-token policy with the least answer-likelihood loss at
-# K = 1,024 on whole reasoning traces through llama.cpp (benchmarks/whole_traces.py's RANK_BUDGETS; at K = 512
-# `streaming` loses less on average, not significantly), among those the entry point runs (issue 57 item 4). Evidence:
+# K = 1,024 on whole reasoning traces through llama.cpp (benchmarks/whole_traces.py's RANK_BUDGETS; the order at
+# K = 512 differs: docs/choosing.md prints both), among those the entry point runs (issue 57 item 4). Evidence:
 # benchmarks/results/whole-traces/llamacpp/results.jsonl (the 28 shared R1 traces streamed to their end, answer-NLL
 # increase against the same trace's whole cache), ranked by benchmarks/whole_traces.py and rendered in
 # docs/choosing.md; tests/test_defaults.py fails when the constant and the ranking disagree. epikv-learned-decay reads

@@ -303,8 +303,7 @@ def linear_scores(lw: LearnedWeights, hidden: dict[int, torch.Tensor], n_layers:
     same shape, from the same standardised features in the same einsum: (score, log_beta). Every layer in one
     batched einsum: llama.cpp scores each step's token, and a loop over layers cost more than its decode's tenth."""
     g = lw.shape[1]
-    first = hidden[feature_block(0)]
-    dev = first.device
+    dev = hidden[feature_block(0)].device
     # [batch, T, layers, dim]: the hidden state entering each layer (blocks on other devices come to the first's)
     h = torch.stack([hidden[feature_block(l)].to(dev) for l in range(n_layers)], dim=2).float()
     x = (h - lw.mean.to(dev)) / lw.std.to(dev)
