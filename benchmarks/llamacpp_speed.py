@@ -155,15 +155,21 @@ def _rounds(runs: dict, total: int, size: int) -> dict[str, float]:
 
 
 def step(args):
+    """Every configuration in rounds taken in turn (_rounds); `--repeats N` does it N times from fresh decoders. Each
+    row is the configuration's median over the repeats of its time ratios, each ratio paired within its repeat (the
+    range and every repeat's ratio kept beside it)."""
+    import statistics
+
     from epikv.llamacpp import load_gguf
 
     gm = load_gguf("smollm2")
     ids = _prompt_ids(gm)
     total = args.gen
     pol = args.policy
+    whole, held_name = "plain llama.cpp, whole cache", f"plain llama.cpp, held at K={args.budget} (oldest removed)"
     configs = {
-        "plain llama.cpp, whole cache": lambda: _Raw(gm, ids, total),
-        f"plain llama.cpp, held at K={args.budget} (oldest removed)": lambda: _Raw(gm, ids, total, args.budget),
+        whole: lambda: _Raw(gm, ids, total),
+        held_name: lambda: _Raw(gm, ids, total, args.budget),
         f"{pol} llama.cpp (C capture)": lambda: _Llama(gm, ids, pol, args.budget, "c", total),
         f"{pol} llama.cpp (Python capture)": lambda: _Llama(gm, ids, pol, args.budget, "python", total),
     }
@@ -171,22 +177,39 @@ def step(args):
         configs["epikv llama.cpp (C capture)"] = lambda: _Llama(gm, ids, "epikv", args.budget, "c", total)
     if not args.no_torch:
         configs[f"{pol} torch engine (float32)"] = lambda: _Torch(ids, args.budget, total, pol)
-    runs = {k: make() for k, make in configs.items()}
-    spent = _rounds(runs, total, args.round)
-    base = spent["plain llama.cpp, whole cache"]
-    held = spent[f"plain llama.cpp, held at K={args.budget} (oldest removed)"]
-    rows = []
-    for k, s in spent.items():
-        r = runs[k]
-        extra = {}
-        if isinstance(r, _Llama):
-            extra = dict(evictions=r.dec.evictions, cache_tokens=r.dec.stored(), kv_cells=r.dec.n_ctx,
-                         capture=r.dec.capture.method if r.dec.capture else None, kv_bytes=r.dec.kv_bytes(),
-                         kv_mirror_bytes=r.dec.mirror_bytes(), max_cache_tokens=r.dec.max_tokens)
-        rows.append(dict(config=k, tokens=total, seconds=round(s, 3), tokens_per_s=round(total / s, 2),
-                         time_vs_plain_whole=round(s / base, 4), time_vs_plain_held=round(s / held, 4), **extra))
-    return dict(rows=rows, prompt_tokens=len(ids), budget=args.budget, policy=pol, threads=args.threads,
-                round=args.round)
+    repeats = []
+    for rep in range(args.repeats):
+        load_before = [round(x, 2) for x in os.getloadavg()]
+        runs = {k: make() for k, make in configs.items()}
+        spent = _rounds(runs, total, args.round)
+        rows = {}
+        for k, sec in spent.items():
+            r = runs[k]
+            extra = {}
+            if isinstance(r, _Llama):
+                extra = dict(evictions=r.dec.evictions, cache_tokens=r.dec.stored(), kv_cells=r.dec.n_ctx,
+                             capture=r.dec.capture.method if r.dec.capture else None, kv_bytes=r.dec.kv_bytes(),
+                             kv_mirror_bytes=r.dec.mirror_bytes(), max_cache_tokens=r.dec.max_tokens)
+            rows[k] = dict(config=k, tokens=total, seconds=round(sec, 3), tokens_per_s=round(total / sec, 2),
+                           time_vs_plain_whole=round(sec / spent[whole], 4),
+                           time_vs_plain_held=round(sec / spent[held_name], 4), **extra)
+        repeats.append(dict(load_before=load_before, rows=list(rows.values())))
+        print(rep, {k: v["time_vs_plain_held"] for k, v in rows.items()}, file=sys.stderr)
+        del runs
+    out_rows = []
+    for k in configs:
+        per = [next(r for r in rep["rows"] if r["config"] == k) for rep in repeats]
+        row = dict(per[-1])
+        for f in ("seconds", "tokens_per_s", "time_vs_plain_whole", "time_vs_plain_held"):
+            row[f] = round(statistics.median(r[f] for r in per), 4)
+        if len(per) > 1:
+            row["time_vs_plain_held_repeats"] = [r["time_vs_plain_held"] for r in per]
+        out_rows.append(row)
+    out = dict(rows=out_rows, prompt_tokens=len(ids), budget=args.budget, policy=pol, threads=args.threads,
+               round=args.round)
+    if len(repeats) > 1:
+        out["repeats"] = repeats
+    return out
 
 
 def celltypes(args):
@@ -351,7 +374,8 @@ def main():
     ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                     help="llama.cpp's flash attention in every llama.cpp configuration (default: llama.cpp's choice)")
     ap.add_argument("--type-kv", choices=["f16", "f32"], default="f16", help="llama.cpp's K and V cache type")
-    ap.add_argument("--repeats", type=int, default=1, help="interleaved: run the pair this many times")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="step, interleaved, celltypes: run the configurations this many times from fresh decoders")
     ap.add_argument("--out", default=None)
     ARGS = args = ap.parse_args()
     if args.gen is None:

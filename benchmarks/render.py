@@ -124,6 +124,15 @@ def llamacpp_step(f: str = "llamacpp/step.json") -> str:
     head = ["decode, K = %d, %d new tokens, %d thread" % (d["budget"], d["rows"][0]["tokens"], d["threads"]),
             "tok/s", "time vs plain, whole cache", "time vs plain held at K"]
     load = ", ".join(f"{x:.2f}" for x in d["load_average"])
+    reps = d.get("repeats") or []
+    if len(reps) > 1:  # each row is the median of the repeats' paired ratios
+        spread = "; ".join(f"{r['config']}: {min(r['time_vs_plain_held_repeats']):.3f} to "
+                           f"{max(r['time_vs_plain_held_repeats']):.3f}" for r in d["rows"]
+                           if "time_vs_plain_held_repeats" in r and r["config"].startswith(d["policy"]))
+        load = (f"medians of {len(reps)} repeats, each from fresh decoders (time against plain llama.cpp held at K, "
+                f"range over the repeats: {spread}); load average before the repeats "
+                + ", ".join(f"{r['load_before'][0]:.2f}" for r in reps) + f", at the end {load}")
+        return table(head, rows) + f"\n\nRows are {load} on {d['cpus']} cores.\n\n" + source_line([f], d["command"])
     return (table(head, rows) + f"\n\nLoad average at the end of the run: {load} on {d['cpus']} cores.\n\n"
             + source_line([f], d["command"]))
 
@@ -996,7 +1005,9 @@ def headline() -> str:
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         [f"llama.cpp, cost of an evicting step of the default `{step['policy']}` (K = {step['budget']}, "
          f"{_threads(step['threads'])}, load {step['load_average'][0]:.2f})",
-         f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size",
+         f"{held['time_vs_plain_held']:.3f}x the time of plain llama.cpp held at the same cache size"
+         + (f" (median of {len(step['repeats'])} repeats, {min(held['time_vs_plain_held_repeats']):.3f} to "
+            f"{max(held['time_vs_plain_held_repeats']):.3f})" if len(step.get("repeats") or []) > 1 else ""),
          "[llama.cpp engine](docs/llamacpp.md#speed)"],
         [f"`epikv serve --engine llama.cpp`, {srv['streams']['requests']} x {srv['streams']['max_tokens']:,} tokens, "
          f"K = {srv['streams']['budget']}, a KV stream per sequence ({_threads(srv['streams']['server']['threads'])})",

@@ -483,3 +483,34 @@ def test_shipped_weights_carry_a_decay_map_fitted_over_256_later_queries():
     lw = load_weights(shipped_weights()[0])
     assert lw.has_decay and lw.meta["decay_horizon"] == "256" and lw.meta["decay_min_lags"] == "16"
     assert float(lw.decay_bias.mean()) < 0
+
+
+def test_batched_scores_equal_the_formula_from_a_stack_or_one_buffer():
+    """linear_scores (the standardisation folded into the weights, every layer in one batched product) equals the
+    by-hand formula per token, layer and KV head, from a dict of blocks (the torch engine) and from one
+    [batch, blocks, T, dim] buffer (HiddenStack: llama.cpp's capture) alike, batch > 1 and T > 1 included, and the
+    two inputs give the same numbers. Mutants: the fold's mean term with the wrong sign; HiddenStack.layers taking
+    the block after the one asked for."""
+    from epikv.policies.learned import LearnedWeights, linear_scores
+    from epikv.policies.view import HiddenStack
+
+    n_layers, dim = 4, 16
+    torch.manual_seed(0)  # a mean and std far from 0 and 1, biases of both signs: every term of the fold counts
+    lw = LearnedWeights(torch.randn(n_layers, 2, dim), torch.randn(n_layers, 2), 3 * torch.randn(n_layers, dim),
+                        0.5 + torch.rand(n_layers, dim), {"model": "tiny"}, 0.1 * torch.randn(n_layers, 2, dim),
+                        0.2 * torch.randn(n_layers, 2))
+    blocks = list(range(n_layers))
+    stacked = torch.randn(2, n_layers, 3, dim)  # [batch, blocks, T, dim]
+    hidden = {b: stacked[:, j].clone() for j, b in enumerate(blocks)}
+    a_score, a_beta = linear_scores(lw, hidden, n_layers, decay=True)
+    b_score, b_beta = linear_scores(lw, HiddenStack(blocks, stacked), n_layers, decay=True)
+    assert torch.equal(a_score, b_score) and torch.equal(a_beta, b_beta)
+    for bi in range(2):
+        for t in range(3):
+            for l in range(n_layers):
+                x = (hidden[feature_block(l)][bi, t].double() - lw.mean[l].double()) / lw.std[l].double()
+                for g in range(2):
+                    s = float(x @ lw.weight[l, g].double()) + float(lw.bias[l, g])
+                    r = min(0.0, float(x @ lw.decay_weight[l, g].double()) + float(lw.decay_bias[l, g]))
+                    assert a_score[bi, l, g, t].item() == pytest.approx(s, rel=1e-5, abs=1e-5)
+                    assert a_beta[bi, l, g, t].item() == pytest.approx(r, rel=1e-5, abs=1e-5)

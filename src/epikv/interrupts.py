@@ -4,6 +4,7 @@ the commit of a calibration text's sums."""
 from __future__ import annotations
 
 import contextlib
+import _signal  # signal.signal's C core: the same call without its enum wrapping, taken twice a decode step
 import os
 import signal
 import threading
@@ -18,11 +19,11 @@ def interrupts_held():
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    previous = _signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if caught:
             if callable(previous):  # signal.default_int_handler raises KeyboardInterrupt
                 previous(signal.SIGINT, caught[0])

@@ -213,6 +213,7 @@ class BlockCapture:
         self.struct = s
         # numpy views of what the callback reports per node (bytes, type, shape, strides): checked at once
         self._got, self._type = np.ctypeslib.as_array(s.got), np.ctypeslib.as_array(s.type)
+        self._block_at = {b: j for j, b in enumerate(self.blocks)}
         self._ne, self._nb = np.ctypeslib.as_array(s.ne), np.ctypeslib.as_array(s.nb)
         self.user_data = ctypes.cast(ctypes.pointer(s), ctypes.c_void_p)
         proto = L.ll.ggml_backend_sched_eval_callback
@@ -279,12 +280,14 @@ class BlockCapture:
                 raise e
             raise EpiKVError(f"the capture callback failed during llama_decode: {type(e).__name__}: {e}") from e
 
-    def rows(self, n_tokens: int) -> dict[int, np.ndarray]:
-        """block -> [n_tokens, n_embd] float32 of the last forward (views of the buffers: copy to keep); EpiKVError
-        when a block was not seen (its builder names no `l_out`), was not float32, or did not hold one row a token."""
+    def rows(self, n_tokens: int) -> "LayerRows":
+        """block -> [n_tokens, n_embd] float32 of the last forward, one [blocks, n_tokens, n_embd] view of the
+        buffer (LayerRows.stacked: copy to keep); EpiKVError when a block was not seen (its builder names no
+        `l_out`), was not float32, or did not hold one row a token."""
         self._raise_error()
-        out = {}
-        want = n_tokens * self.n_embd * 4
+        nb, want = len(self.blocks), n_tokens * self.n_embd * 4
+        if ((self._got[:nb] == np.uint64(want)) & (self._type[:nb] == GGML_TYPE_F32)).all():  # every step: one test
+            return LayerRows(self.blocks, self.buf[:, :n_tokens], self._block_at)
         for i, b in enumerate(self.blocks):
             got = self.struct.got[i]
             if got == 0:
@@ -295,8 +298,7 @@ class BlockCapture:
             if got != want:
                 raise EpiKVError(f"block output l_out-{b} holds {got} bytes for {n_tokens} tokens of {self.n_embd} "
                                  f"floats ({want} bytes expected): its rows are not one per token")
-            out[b] = self.buf[i, :n_tokens]
-        return out
+        raise EpiKVError("the captured block outputs failed a check")  # (not reached: one block failed)
 
     def attn_rows(self, n_tokens: int) -> dict[str, dict[int, np.ndarray]]:
         """"q" / "k" / "v" -> layer -> [n_tokens, heads, head_dim] float32 of the last forward, each head's channels

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import EpiKVError
 from ..policies import CacheView, Policy
+from ..policies.view import HiddenStack
 from ..policy_state import BufferBytes, PolicyState, held_bytes
 from ..signals import check_layers
 from ..policies.hidden import HiddenStatePolicy
@@ -129,7 +130,7 @@ class SequenceCache:
         self.max_tokens = 0
         self.n_prompt = self.n_protect = 0
         self.on_evict: Callable[["SequenceCache", torch.Tensor], None] | None = None  # test hook: before seq_rm
-        self._rows: list[dict[int, np.ndarray]] = []  # captured rows of the tokens not yet scored
+        self._rows: list[np.ndarray] = []  # captured rows of the tokens not yet scored, [blocks, T, dim] a step
         self._unscored = 0
         # peak KV bytes (kvtypes): the cells as llama.cpp stores them and the policy's buffers, at the moment of the
         # most bytes (after a decode, before the eviction that follows it)
@@ -146,6 +147,8 @@ class SequenceCache:
         # any other policy is fed every step, as the torch engine does
         obs = policy.observes(gm.depth)
         self._score_every = score_every(policy, self.recent, obs)
+        # the base on_tokens (streaming, random, full, context-shift) scores nothing: no observation to build a step
+        self._scores_nothing = type(policy).on_tokens is Policy.on_tokens
         n_layers = gm.n_layers
         plan = kv_plan(obs, n_layers)
         self.mirror_layers = plan["mirror"]  # the layers whose keys / values the mirror holds (the keep rule's)
@@ -196,9 +199,13 @@ class SequenceCache:
         p0 = self.next_pos
         pos = torch.arange(p0, p0 + t)[None, :]  # [1, T]
         self.token_data["pos"] = pos if "pos" not in self.token_data else torch.cat([self.token_data["pos"], pos], 1)
-        if rows is not None:
-            self._rows.append({blk: r.copy() for blk, r in rows.items()})  # [T, dim] each
-            self._hidden_bytes += sum(r.nbytes for r in rows.values())
+        if rows is not None:  # [blocks, T, dim], one copy of every block's rows
+            if isinstance(rows, LayerRows) and rows.layers == self.blocks:
+                held = rows.stacked.copy()
+            else:
+                held = np.stack([rows[blk] for blk in self.blocks])
+            self._rows.append(held)
+            self._hidden_bytes += held.nbytes
         self._unscored += t
         self.seen += t
         self._note_peak()
@@ -382,12 +389,16 @@ class SequenceCache:
         u = self._unscored
         if not u:
             return
+        if self._scores_nothing:  # on_tokens returns nothing and changes no state: observing is a no-op
+            self._rows, self._unscored, self._arriving = [], 0, []
+            self._hidden_bytes = self._arriving_bytes = 0
+            return
         n = self.stored()
         pos = self.token_data["pos"][:, n - u:]  # [1, u]
         hidden = {}
-        if self._rows:
-            hidden = {blk: torch.from_numpy(np.concatenate([r[blk] for r in self._rows]))[None]
-                      for blk in self.blocks}  # [1, u, dim]
+        if self._rows:  # block -> [1, u, dim], views of one [1, blocks, u, dim] tensor
+            rows = self._rows[0] if len(self._rows) == 1 else np.concatenate(self._rows, axis=1)
+            hidden = HiddenStack(self.blocks, torch.from_numpy(rows)[None])
         stored = {k: (v[..., : n - u] if k == "pos" else v) for k, v in self.token_data.items()}
         keys, values = self.cached_kv()
         if self._arriving:  # the u new tokens' keys / values per layer, [1, kv_heads, u, head_dim] as stored

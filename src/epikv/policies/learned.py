@@ -11,6 +11,7 @@ from .._lazy import torch
 
 from ..errors import EpiKVError
 from .base import Observes, Policy
+from .view import HiddenStack
 
 FORMAT = "epikv-learned/1"
 SHIPPED = Path(__file__).resolve().parent.parent / "weights"  # package data: fitted weights per model shape
@@ -297,20 +298,48 @@ def check_fingerprint(lw: LearnedWeights, fingerprint: str) -> None:
                      "weights for it with `epikv calibrate`")
 
 
+def _maps(lw: LearnedWeights, decay: bool, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The score map with the standardisation folded in, on `dev`: weight / std [layers, g, dim] and bias - weight .
+    (mean / std) [layers, g, 1], so that score = h . weight' + bias' (equal to ((h - mean) / std) . weight + bias up
+    to float rounding); with decay the score and decay maps side by side ([layers, 2g, ...]). Built once per
+    weights object and device (the object is frozen), not at every scoring."""
+    cache = lw.__dict__.setdefault("_maps", {})
+    key = (decay, str(dev))
+    if key not in cache:
+        w, b = lw.weight, lw.bias  # [layers, g, dim], [layers, g]
+        if decay:
+            w, b = torch.cat([w, lw.decay_weight], 1), torch.cat([b, lw.decay_bias], 1)
+        w = w.double() / lw.std.double()[:, None]  # in float64, then rounded once
+        b = b.double() - torch.einsum("lgd,ld->lg", w, lw.mean.double())
+        cache[key] = (w.float().to(dev).contiguous(), b.float().to(dev)[:, :, None].contiguous())
+    return cache[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _feature_blocks(n_layers: int) -> list[int]:
+    return [feature_block(l) for l in range(n_layers)]
+
+
 def linear_scores(lw: LearnedWeights, hidden: dict[int, torch.Tensor], n_layers: int, decay: bool = False):
     """score [batch, layers, kv_heads, T] from the captured block outputs hidden[block] [batch, T, dim]; with decay
     (weights with a decay map) also each layer and KV head's log retention rate min(0, x . decay_weight + decay_bias),
-    same shape, from the same standardised features in the same einsum: (score, log_beta). Every layer in one
-    batched einsum: llama.cpp scores each step's token, and a loop over layers cost more than its decode's tenth."""
+    same shape, from the same standardised features in the same product: (score, log_beta). Every layer in one
+    batched product, layer-major, the standardisation folded into the weights (_maps): llama.cpp scores each
+    step's token, and a loop over layers, or an einsum that permutes its operands, cost more than a tenth of its
+    decode."""
     g = lw.shape[1]
     dev = hidden[feature_block(0)].device
-    # [batch, T, layers, dim]: the hidden state entering each layer (blocks on other devices come to the first's)
-    h = torch.stack([hidden[feature_block(l)].to(dev) for l in range(n_layers)], dim=2).float()
-    x = (h - lw.mean.to(dev)) / lw.std.to(dev)
-    w, b = lw.weight, lw.bias  # [layers, g, dim], [layers, g]
-    if decay:
-        w, b = torch.cat([w, lw.decay_weight], 1), torch.cat([b, lw.decay_bias], 1)  # [layers, 2g, dim], [layers, 2g]
-    res = torch.einsum("btld,lgd->blgt", x, w.to(dev)) + b.to(dev)[None, :, :, None]  # [batch, layers, (2) g, T]
+    # [batch, layers, T, dim]: the hidden state entering each layer (blocks on other devices come to the first's)
+    blocks = _feature_blocks(n_layers)
+    if isinstance(hidden, HiddenStack):  # llama.cpp's one capture buffer: one gather
+        h = hidden.layers(blocks)
+    else:
+        h = torch.stack([hidden[b].to(dev) for b in blocks], dim=1)
+    bsz, n, t, d = h.shape
+    h = h.transpose(0, 1).reshape(n, bsz * t, d).float()  # [layers, batch * T, dim] (a view at batch 1)
+    w, b = _maps(lw, decay, dev)  # [layers, (2) g, dim], [layers, (2) g, 1]
+    res = torch.baddbmm(b, w, h.transpose(1, 2))  # [layers, (2) g, batch * T]
+    res = res.view(n, -1, bsz, t).permute(2, 0, 1, 3)  # [batch, layers, (2) g, T]
     if not decay:
         return res
     return res[:, :, :g], res[:, :, g:].clamp(max=0.0)

@@ -4,6 +4,8 @@ the cache at eviction time (`CacheView`). Plain data, shared by the keep rules (
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .._lazy import torch
@@ -59,12 +61,42 @@ class Observes:
         return "; ".join(parts) or "nothing"
 
 
+@functools.lru_cache(maxsize=64)
+def _index(at: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(at, dtype=torch.long)
+
+
+class HiddenStack(Mapping):
+    """StepObservation.hidden backed by one tensor: block -> [batch, T, dim] views of `stacked` [batch, blocks, T,
+    dim] (blocks in `blocks` order). The llama.cpp engine captures every block it reads into one buffer, so it hands
+    the policy one array rather than a tensor per block; a policy that reads many blocks takes them with `layers`
+    in one gather instead of stacking one view per block (policies/learned.py)."""
+
+    def __init__(self, blocks: list[int], stacked: torch.Tensor) -> None:
+        self.blocks, self.stacked = list(blocks), stacked
+        self._at = {b: j for j, b in enumerate(self.blocks)}
+
+    def __getitem__(self, block: int) -> torch.Tensor:
+        return self.stacked[:, self._at[block]]
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def layers(self, blocks: list[int]) -> torch.Tensor:
+        """[batch, len(blocks), T, dim]: torch.stack([self[b] for b in blocks], dim=1) in one gather."""
+        at = tuple(self._at[b] for b in blocks)
+        return self.stacked.index_select(1, _index(at).to(self.stacked.device))
+
+
 @dataclass
 class StepObservation:
     """What one forward pass over T new tokens showed the policy."""
 
-    hidden: dict[int, torch.Tensor]
-    """Block -> [batch, T, dim] (on that block's device)."""
+    hidden: Mapping[int, torch.Tensor]
+    """Block -> [batch, T, dim] (on that block's device): a dict, or a HiddenStack."""
     attentions: dict[int, torch.Tensor]
     """Layer -> [batch, heads, T, kv_len]."""
     valid: torch.Tensor

@@ -553,7 +553,7 @@ class LlamaBackend(Backend):
         self.counters["batch_rows"] += j
         cap = self.capture
         try:
-            rows = cap.rows(j) if cap is not None and cap.blocks else None  # block -> [j, dim], batch order
+            rows = cap.rows(j) if cap is not None and cap.blocks else None  # [blocks, j, dim], batch order
             # q/k/v -> layer -> [j, heads, dim]
             attn = cap.attn_rows(j) if cap is not None and cap.attn_nodes else None
         except Exception as e:  # this decode's rows are unusable: fail its requests (their cells go), serve on
@@ -569,7 +569,7 @@ class LlamaBackend(Backend):
             try:  # an error here is this request's alone: it fails, its cells go, the others go on
                 if attn is not None:
                     r.seq.attend(t, {k: d.rows(off, end) for k, d in attn.items()})
-                r.seq.record(t, {blk: x[off:end] for blk, x in rows.items()} if rows is not None else None)
+                r.seq.record(t, rows.rows(off, end) if rows is not None else None)
                 r.fed += t
                 if r.fed == r.known:  # its newest logits are the next token's: sample it
                     self._sample(r, logits)
