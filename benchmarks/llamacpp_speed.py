@@ -20,6 +20,7 @@ long: tokens/s over each 1,000 tokens of a --gen-token generation (EOS ignored),
   other; the torch engine's epikv K = 512 is run the same way unless --no-torch.
 capture: the eval callback's cost alone (bare loop without / with the C / with the Python callback).
 interleaved: the same two llama.cpp generations in one process, alternating segment by segment (speeds only).
+split: where a step's time goes, inside llama_decode and outside it (epikv's Python), per configuration (split()).
 All llama.cpp runs use --threads threads (default 1) and llama.cpp's default F16 cache and flash-attention choice
 (--type-kv f32 and --flash-attn on|off change both for every llama.cpp configuration).
 """
@@ -31,6 +32,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -240,6 +242,77 @@ def celltypes(args):
                 threads=args.threads, round=args.round, tokens=total, flash_attn="on")
 
 
+def split(args):
+    """Where a step's time goes: each configuration's time inside llama_decode (the graph compute, the capture
+    callback included) and outside it (epikv's Python: record, scoring, bookkeeping, eviction; the loop's argmax),
+    per token, rounds interleaved in one process, `--repeats` times from fresh decoders. Configurations: plain
+    llama.cpp held at K, with and without the C callback copying every block; `streaming` and `random` at tau 16
+    (no capture); --policy at its shipped tau and at tau 1."""
+    import statistics
+
+    from epikv.llamacpp import load_gguf, lib
+    from epikv.policies import get_policy
+
+    ll = lib.load().ll
+    inside = {}
+    current = [None]
+    decode = ll.llama_decode
+
+    def timed(ctx, batch):  # every decode path calls ll.llama_decode by attribute: timed per configuration
+        t0 = time.perf_counter()
+        rc = decode(ctx, batch)
+        inside[current[0]] = inside.get(current[0], 0.0) + time.perf_counter() - t0
+        return rc
+
+    gm = load_gguf("smollm2")
+    ids = _prompt_ids(gm)
+    total, k, pol = args.gen, args.budget, get_policy(args.policy)
+    configs = {
+        f"plain llama.cpp, held at K={k}": lambda: _Raw(gm, ids, total, k),
+        f"plain llama.cpp, held at K={k}, C callback every block": lambda: _Raw(
+            gm, ids, total, k, capture="c", blocks=range(gm.n_layers - 1)),
+        "streaming, tau 16": lambda: _Llama(gm, ids, get_policy("streaming", tau=16), k, "c", total),
+        "random, tau 16": lambda: _Llama(gm, ids, get_policy("random", tau=16), k, "c", total),
+        f"{pol.name}, tau {pol.tau}": lambda: _Llama(gm, ids, get_policy(args.policy), k, "c", total),
+        f"{pol.name}, tau 1": lambda: _Llama(gm, ids, get_policy(args.policy, tau=1), k, "c", total),
+    }
+    repeats = []
+    ll.llama_decode = timed
+    try:
+        for rep in range(args.repeats):
+            load_before = [round(x, 2) for x in os.getloadavg()]
+            runs = {}
+            for name, make in configs.items():
+                current[0] = name
+                runs[name] = make()
+            inside.clear()
+            spent = {name: 0.0 for name in runs}
+            for s in range(0, total, args.round):
+                n = min(args.round, total - s)
+                for name, r in runs.items():
+                    current[0] = name
+                    t0 = time.perf_counter()
+                    r.run(n)
+                    spent[name] += time.perf_counter() - t0
+            rows = [dict(config=name, ms_per_token=round(1e3 * spent[name] / total, 3),
+                         decode_ms=round(1e3 * inside[name] / total, 3),
+                         outside_ms=round(1e3 * (spent[name] - inside[name]) / total, 3),
+                         evictions=getattr(getattr(runs[name], "dec", None), "evictions", None)) for name in runs]
+            repeats.append(dict(load_before=load_before, rows=rows))
+            print(rep, {r["config"]: (r["decode_ms"], r["outside_ms"]) for r in rows}, file=sys.stderr)
+            del runs
+    finally:
+        ll.llama_decode = decode
+    summary = []
+    for name in configs:
+        per = [next(r for r in rep["rows"] if r["config"] == name) for rep in repeats]
+        summary.append({"config": name, **{f: round(statistics.median(r[f] for r in per), 3)
+                                           for f in ("ms_per_token", "decode_ms", "outside_ms")},
+                        "evictions": per[-1]["evictions"]})
+    return dict(rows=summary, repeats=repeats, prompt_tokens=len(ids), budget=k, policy=args.policy,
+                threads=args.threads, round=args.round, tokens=total)
+
+
 def _child(args):
     """One long generation in this process: tokens/s per segment, peak RSS, KV bytes."""
     if args.engine == "torch":
@@ -362,7 +435,7 @@ def interleaved(args):
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["step", "long", "interleaved", "capture", "celltypes", "_child"])
+    ap.add_argument("mode", choices=["step", "long", "interleaved", "capture", "celltypes", "split", "_child"])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--gen", type=int, default=None)
     ap.add_argument("--round", type=int, default=64)
@@ -375,11 +448,13 @@ def main():
                     help="llama.cpp's flash attention in every llama.cpp configuration (default: llama.cpp's choice)")
     ap.add_argument("--type-kv", choices=["f16", "f32"], default="f16", help="llama.cpp's K and V cache type")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="step, interleaved, celltypes: run the configurations this many times from fresh decoders")
+                    help="step, interleaved, celltypes, split: run the configurations this many times from fresh "
+                    "decoders")
+    ap.add_argument("--label", default=None, help="a name for the code measured (PYTHONPATH may point at another tree)")
     ap.add_argument("--out", default=None)
     ARGS = args = ap.parse_args()
     if args.gen is None:
-        args.gen = 1024 if args.mode in ("step", "capture", "celltypes") else 6000
+        args.gen = 1024 if args.mode in ("step", "capture", "celltypes", "split") else 6000
     import torch
 
     # as every llama.cpp entry point (commands/engines.py, serving/build.py): one torch thread for the policy's few
@@ -390,10 +465,13 @@ def main():
         return _child(args)
     t0 = time.time()
     res = {"step": step, "long": long, "interleaved": interleaved, "capture": capture,
-           "celltypes": celltypes}[args.mode](args)
+           "celltypes": celltypes, "split": split}[args.mode](args)
     import llama_cpp
 
-    res.update(command="PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_speed.py " + " ".join(sys.argv[1:]),
+    if args.label:
+        res["label"] = args.label
+    res.update(command=f"PYTHONPATH={os.environ.get('PYTHONPATH', 'src')} .venv/bin/python benchmarks/llamacpp_speed.py "
+               + shlex.join(sys.argv[1:]),
                llama_cpp_python=llama_cpp.__version__, machine=platform.processor() or platform.machine(),
                cpus=len(os.sched_getaffinity(0)), load_average=os.getloadavg(), wall_s=round(time.time() - t0, 1),
                **({} if args.mode == "celltypes" else dict(flash_attn=args.flash_attn, type_kv=args.type_kv)))

@@ -117,6 +117,25 @@ def f2(x) -> str:
 # -------------------------------------------------------------------------------------------- measured tables
 
 
+def llamacpp_split(files: list[str]) -> str:
+    """Where a step's time goes (llamacpp_speed.py split): per configuration the time inside llama_decode and
+    outside it, medians of the repeats; one table per file (one code version each), the first file's rows first."""
+    parts = []
+    for f in files:
+        d = load_json(f)
+        plain = d["rows"][0]
+        rows = [[r["config"], f"{r['ms_per_token']:.2f}", f"{r['decode_ms']:.2f}", f"{r['outside_ms']:.2f}",
+                 f"{r['outside_ms'] - plain['outside_ms']:+.2f}", f"{r['ms_per_token'] / plain['ms_per_token']:.3f}",
+                 "-" if r["evictions"] is None else r["evictions"]] for r in d["rows"]]
+        head = [f"{d.get('label', 'this code')}: K = {d['budget']}, {d['tokens']} tokens, {d['threads']} thread",
+                "ms a token", "inside llama_decode", "outside", "outside, over plain", "time vs plain held",
+                "evictions"]
+        loads = ", ".join(f"{r['load_before'][0]:.2f}" for r in d["repeats"])
+        parts.append(table(head, rows) + f"\n\nMedians of {len(d['repeats'])} repeats (load before each: "
+                     f"{loads}; {d['cpus']} cores). " + source_line([f], d["command"]))
+    return "\n\n".join(parts)
+
+
 def llamacpp_step(f: str = "llamacpp/step.json") -> str:
     d = load_json(f)
     rows = [[r["config"], f"{r['tokens_per_s']:.2f}", f"{r['time_vs_plain_whole']:.3f}",
@@ -1217,6 +1236,8 @@ RENDERERS = {
     "llamacpp-step-seg-q-issue50": lambda: llamacpp_step("llamacpp/step-seg-q-issue50.json"),
     "llamacpp-step-seg-q-issue56": lambda: llamacpp_step("llamacpp/step-seg-q-issue56.json"),
     "llamacpp-step-learned-decay": lambda: llamacpp_step("llamacpp/step-learned-decay.json"),
+    "llamacpp-split-learned-decay": lambda: llamacpp_split(["llamacpp/split-learned-decay-before.json",
+                                                            "llamacpp/split-learned-decay.json"]),
     "serve-ab-issue50": serve_ab,
     "soak": soak,
     "serve-load": serve_load,
