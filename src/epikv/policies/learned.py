@@ -316,8 +316,9 @@ def _maps(lw: LearnedWeights, decay: bool, dev) -> tuple[torch.Tensor, torch.Ten
 
 
 @functools.lru_cache(maxsize=None)
-def _feature_blocks(n_layers: int) -> list[int]:
-    return [feature_block(l) for l in range(n_layers)]
+def _feature_blocks(n_layers: int) -> tuple[int, ...]:
+    """feature_block of every layer, once per depth (a tuple: the cached value is shared by every caller)."""
+    return tuple(feature_block(l) for l in range(n_layers))
 
 
 def linear_scores(lw: LearnedWeights, hidden: dict[int, torch.Tensor], n_layers: int, decay: bool = False):

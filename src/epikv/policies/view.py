@@ -5,7 +5,7 @@ the cache at eviction time (`CacheView`). Plain data, shared by the keep rules (
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .._lazy import torch
@@ -85,7 +85,7 @@ class HiddenStack(Mapping):
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def layers(self, blocks: list[int]) -> torch.Tensor:
+    def layers(self, blocks: Sequence[int]) -> torch.Tensor:
         """[batch, len(blocks), T, dim]: torch.stack([self[b] for b in blocks], dim=1) in one gather."""
         at = tuple(self._at[b] for b in blocks)
         return self.stacked.index_select(1, _index(at).to(self.stacked.device))
